@@ -1,0 +1,60 @@
+"""
+Errors
+======
+
+Every error ftdist raises on purpose derives from :class:`FtdistError`, so a
+training loop can tell a fault ftdist detected from a bug in its own code.
+
+Misuse (bad arguments, calls in the wrong order) raises the builtin
+``ValueError``/``TypeError``/``RuntimeError`` at once, before any communication.
+Faults inside a step (a dead peer, a timeout) are :class:`CommunicationError`
+subclasses; the Manager records them and votes not to commit.
+"""
+
+from __future__ import annotations
+
+
+class FtdistError(Exception):
+    """Root of every error that ftdist raises for a detected fault."""
+
+
+class CommunicationError(FtdistError, RuntimeError):
+    """A collective or transfer failed because a peer or the network failed."""
+
+
+class CollectiveTimeoutError(CommunicationError, TimeoutError):
+    """A collective did not complete within its timeout."""
+
+
+class ProcessGroupAbortedError(CommunicationError):
+    """The work belonged to a backend that was aborted or reconfigured away."""
+
+
+class BackendProcessError(CommunicationError):
+    """The subprocess running a Baby process group died or stopped answering."""
+
+
+class CoordinationError(FtdistError, RuntimeError):
+    """A call to the lighthouse or a manager server failed.
+
+    The message carries the server's status and text. torchft raises a plain
+    ``RuntimeError`` here, which this still is.
+    """
+
+
+class CoordinationTimeoutError(FtdistError, TimeoutError):
+    """A call to the lighthouse or a manager server ran past its deadline.
+
+    torchft raises a plain ``TimeoutError`` here, which this still is.
+    """
+
+
+__all__ = [
+    "BackendProcessError",
+    "CollectiveTimeoutError",
+    "CommunicationError",
+    "CoordinationError",
+    "CoordinationTimeoutError",
+    "FtdistError",
+    "ProcessGroupAbortedError",
+]

@@ -1,0 +1,113 @@
+"""
+The program a Baby group's child process runs
+=============================================
+
+A child starts as a warm spare: torch is already imported (it is forked from
+a fork server that preloaded it) and it blocks waiting for a ``configure``
+message. Once configured it serves collectives until its pipe closes.
+
+Ops are issued asynchronously and answered from the backend's completion
+callbacks, so an ``irecv`` posted before an ``isend`` cannot deadlock the
+child. Replies are strings, never exception objects: a C++ exception type
+may not unpickle in the parent.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import threading
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from ftdist.process_group._shm import Importer
+from ftdist.process_group._store import create_store_client
+from ftdist.process_group.backends import CREATORS
+
+
+def child_main(conn: Connection) -> None:
+    """Entry point of a Baby child; exits the process when done."""
+    # Ctrl-C in a terminal reaches the whole process group; the parent
+    # decides when its backend dies, not the keyboard.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        msg = conn.recv()
+        if msg[0] == "configure":
+            backend = _configure(conn, *msg[1:])
+            if backend is not None:
+                _serve(conn, backend)
+    except (EOFError, OSError):
+        pass
+    # Skip interpreter teardown: a backend blocked on a dead peer would make
+    # its destructor wait out the collective timeout.
+    os._exit(0)
+
+
+def _configure(conn: Connection, kind: str, store_addr: str, rank: int, world_size: int,
+               timeout: timedelta, device: int | None) -> Any:
+    try:
+        if device is not None:
+            torch.cuda.set_device(device)
+        store = create_store_client(store_addr, timeout=timeout)
+        backend = CREATORS[kind](store, rank, world_size, timeout)
+    except Exception as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return None
+    conn.send(("ready", os.getpid()))
+    return backend
+
+
+def _on_done(reply: Any, op_id: int, name: str, work: Any, cuda: bool,
+             fut: torch.futures.Future) -> None:
+    try:
+        fut.value()
+        extra: Any = None
+        if name == "recv_anysource":
+            extra = work.source_rank()
+        if cuda:
+            work.wait()
+            event = torch.cuda.Event(interprocess=True)
+            event.record()
+            extra = event
+    except Exception as exc:
+        reply(("done", op_id, f"{type(exc).__name__}: {exc}", None))
+        return
+    reply(("done", op_id, None, extra))
+
+
+def _serve(conn: Connection, backend: Any) -> None:
+    importer = Importer()
+    send_lock = threading.Lock()
+
+    def reply(msg: tuple[Any, ...]) -> None:
+        with send_lock:
+            try:
+                conn.send(msg)
+            except OSError:
+                pass  # the parent is gone; the read loop will notice
+
+    while True:
+        msg = conn.recv()
+        if msg[0] != "op":
+            return
+        _, op_id, name, args, new, retired, event = msg
+        importer.add(new)
+        importer.drop(retired)
+        try:
+            decoded = importer.decode(args)
+            if event is not None:
+                event.wait()
+            work = getattr(backend, name)(*decoded)
+        except Exception as exc:
+            reply(("done", op_id, f"{type(exc).__name__}: {exc}", None))
+            continue
+        if work is None:
+            reply(("done", op_id, None, None))
+            continue
+        work.get_future().add_done_callback(
+            functools.partial(_on_done, reply, op_id, name, work, event is not None)
+        )

@@ -1,0 +1,410 @@
+"""
+Baby process groups: the backend in a child process
+===================================================
+
+A backend that hangs (a peer stopped mid-collective, a wedged NCCL kernel)
+cannot be cancelled from inside its own process. A Baby group runs the real
+backend in a child process and talks to it over a pipe; tensors are shared,
+not copied (see :mod:`._shm`). When an op outlives its timeout, or the child
+dies, the child is killed and the op fails; the trainer lives on and the next
+:meth:`~ProcessGroupBaby.configure` starts a new child.
+
+Reconfiguring must not pay a Python + torch start in the critical path, so a
+warm spare child (already forked, torch already imported) waits ahead of
+need; ``configure`` hands it the new store and starts the next spare in the
+background.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ftdist._mp import forkserver_context
+from ftdist.errors import (
+    BackendProcessError,
+    CollectiveTimeoutError,
+    CommunicationError,
+    ProcessGroupAbortedError,
+)
+from ftdist.process_group._baby_child import child_main
+from ftdist.process_group._shm import Exporter
+from ftdist.process_group.base import BACKEND_NAME, Post, ProcessGroup
+from ftdist.process_group.work import WAIT_MARGIN, FtWork, Generation, _SettableOnce
+from ftdist.process_group.wrapper import _as_timedelta, _WorkList
+
+logger = logging.getLogger(__name__)
+
+
+class _BabyWork(dist._Work):
+    """An op running in the child; completed by the parent's reader thread."""
+
+    def __init__(self, child: _Child, op: str, outputs: Any, post: Post) -> None:
+        super().__init__()
+        self._child = child
+        self._op = op
+        self._outputs = outputs
+        self._post = post
+        self._event = threading.Event()
+        self._error: Exception | None = None
+        self._extra: Any = None
+        self._future: _SettableOnce | None = None
+        self._lock = threading.Lock()
+
+    def _complete(self, error: Exception | None, extra: Any = None) -> None:
+        if error is None and self._post is not None:
+            try:
+                self._post()
+            except Exception as exc:
+                error = CommunicationError(f"{self._op} post-processing failed: {exc}")
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._error, self._extra = error, extra
+            self._event.set()
+            future = self._future
+        if future is not None:
+            self._resolve(future)
+
+    def _resolve(self, future: _SettableOnce) -> None:
+        if self._error is not None:
+            future.exception(self._error)
+        else:
+            future.result(self._outputs)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Block until the child reports the op done.
+
+        A child that does not answer within the timeout is killed.
+
+        Raises:
+            CollectiveTimeoutError: no answer in time (the child was killed).
+            CommunicationError: the op failed in the child, or the child died.
+            ProcessGroupAbortedError: the group was reconfigured meanwhile.
+        """
+        limit = timeout.total_seconds() if timeout else None
+        if not limit:
+            limit = (self._child.timeout + WAIT_MARGIN).total_seconds()
+        if not self._event.wait(limit):
+            err = CollectiveTimeoutError(
+                f"{self._child.describe()}: {self._op} got no answer within {limit:.1f}s; "
+                "the child process was killed"
+            )
+            self._child.kill(err)
+            raise err
+        if self._error is not None:
+            raise self._error
+        if isinstance(self._extra, torch.cuda.Event):
+            self._extra.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        """Resolves to the op's output tensors, or fails like :meth:`wait`."""
+        with self._lock:
+            if self._future is None:
+                self._future = _SettableOnce()
+                if self._event.is_set():
+                    self._resolve(self._future)
+            return self._future.fut
+
+    def is_completed(self) -> bool:
+        return self._event.is_set()
+
+    def is_success(self) -> bool:
+        return self._event.is_set() and self._error is None
+
+    def exception(self) -> Any:
+        return self._error
+
+    def source_rank(self) -> int:
+        if not isinstance(self._extra, int):
+            raise RuntimeError("source_rank() is only known after a recv_anysource completes")
+        return self._extra
+
+    def result(self) -> Any:
+        return self._outputs
+
+
+class _Child:
+    """The parent's handle on one configured child process."""
+
+    def __init__(self, proc: Any, conn: Connection, timeout: timedelta, label: str) -> None:
+        self.proc = proc
+        self.conn = conn
+        self.timeout = timeout
+        self.label = label
+        self.exporter = Exporter()
+        self.pending: dict[int, _BabyWork] = {}
+        self.dead: Exception | None = None
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._reader: threading.Thread | None = None
+
+    def describe(self) -> str:
+        return f"{self.label} (child pid {self.proc.pid})"
+
+    def configure(self, kind: str, store_addr: str, rank: int, world_size: int,
+                  device: int | None) -> None:
+        self.conn.send(("configure", kind, store_addr, rank, world_size, self.timeout, device))
+        limit = (self.timeout + WAIT_MARGIN).total_seconds()
+        if not self.conn.poll(limit):
+            raise CollectiveTimeoutError(f"{self.describe()}: configure got no answer in {limit:.1f}s")
+        msg = self.conn.recv()
+        if msg[0] != "ready":
+            raise RuntimeError(f"{self.describe()}: configure failed in the child: {msg[1]}")
+        self._reader = threading.Thread(target=self._read_loop, name="ftdist-baby-reader",
+                                        daemon=True)
+        self._reader.start()
+
+    def submit(self, name: str, args: tuple[Any, ...], op: str, post: Post) -> _BabyWork:
+        outputs = args[0] if args else None
+        new: list[tuple[int, Any]] = []
+        event = None
+        with self._lock:
+            if self.dead is not None:
+                raise self.dead
+            encoded = self.exporter.encode(args, new)
+            if any(isinstance(a, torch.Tensor) and a.is_cuda for a in _flatten(args)):
+                event = torch.cuda.Event(interprocess=True)
+                event.record()
+            op_id = next(self._ids)
+            work = _BabyWork(self, op, outputs, post)
+            self.pending[op_id] = work
+            try:
+                self.conn.send(("op", op_id, name, encoded, new, self.exporter.retired(), event))
+            except (OSError, ValueError) as exc:
+                self.pending.pop(op_id, None)
+                raise BackendProcessError(f"{self.describe()}: the child is gone: {exc}") from exc
+        return work
+
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                _, op_id, err, extra = self.conn.recv()
+            except (EOFError, OSError, ValueError):
+                break
+            with self._lock:
+                work = self.pending.pop(op_id, None)
+            if work is not None:
+                error = CommunicationError(f"{self.describe()}: {work._op} failed: {err}") \
+                    if err is not None else None
+                work._complete(error, extra)
+        self.proc.join(timeout=1)
+        self.kill(BackendProcessError(
+            f"{self.describe()} exited unexpectedly (exit code {self.proc.exitcode})"
+        ))
+
+    def kill(self, reason: Exception) -> None:
+        """Kill the child and fail every op still pending with ``reason``."""
+        with self._lock:
+            if self.dead is None:
+                self.dead = reason
+            pending, self.pending = self.pending, {}
+        if self.proc.exitcode is None:
+            self.proc.kill()
+        for work in pending.values():
+            work._complete(self.dead)
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(timeout=5)
+        self.proc.join(timeout=5)
+
+
+def _flatten(obj: Any) -> list[Any]:
+    if isinstance(obj, (list, tuple)):
+        return [x for o in obj for x in _flatten(o)]
+    return [obj]
+
+
+class _SparePool:
+    """One child process started ahead of need."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._spare: tuple[Any, Connection] | None = None
+        self._closed = False
+
+    @staticmethod
+    def _start() -> tuple[Any, Connection]:
+        ctx = forkserver_context()
+        parent_end, child_end = ctx.Pipe(duplex=True)
+        proc = ctx.Process(target=child_main, args=(child_end,), name="ftdist-baby", daemon=True)  # type: ignore[attr-defined]
+        proc.start()
+        child_end.close()
+        return proc, parent_end
+
+    def take(self) -> tuple[Any, Connection]:
+        """A started child: the warm spare if it is alive, else a new one."""
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is not None and spare[0].is_alive():
+            return spare
+        if spare is not None:
+            spare[1].close()
+        return self._start()
+
+    def refill(self) -> None:
+        """Start the next spare if none is waiting."""
+        with self._lock:
+            if self._spare is not None or self._closed:
+                return
+            self._spare = self._start()
+
+    def close(self) -> None:
+        """Kill the waiting spare; no more are started."""
+        with self._lock:
+            self._closed = True
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            proc, conn = spare
+            conn.close()  # the spare exits on EOF; kill in case it is slow to see it
+            proc.kill()
+            proc.join(timeout=5)
+
+
+class ProcessGroupBaby(ProcessGroup):
+    """A reconfigurable group whose backend runs in a child process.
+
+    CPU tensors are moved to shared memory the first time they are used (in
+    place: ``share_memory_()``) and are never copied per op. CUDA tensors are
+    shared through CUDA IPC and synchronised with inter-process events: as
+    with NCCL, ``wait()`` orders the current stream, call
+    ``torch.cuda.synchronize()`` for a CPU sync.
+
+    Args:
+        timeout: collective timeout (seconds or timedelta). An op whose child
+            does not answer within it (plus a small margin) kills the child.
+
+    Raises:
+        TypeError/ValueError: ``timeout`` is not a positive duration.
+    """
+
+    BACKEND = "gloo"
+
+    def __init__(self, timeout: timedelta | float = 60.0) -> None:
+        super().__init__()
+        self._timeout = _as_timedelta(timeout)
+        self._child: _Child | None = None
+        self._spares = _SparePool()
+        self._error: Exception | None = None
+        self._spares.refill()
+
+    def _device(self) -> int | None:
+        return None
+
+    def configure(self, store_addr: str, rank: int, world_size: int) -> None:
+        """Hand the warm spare child the new store; kill the old child.
+
+        See :meth:`ProcessGroup.configure`.
+
+        Raises:
+            ValueError: malformed ``store_addr`` or invalid rank/world size.
+            RuntimeError: the child could not create the backend.
+        """
+        self._check_configure_args(store_addr, rank, world_size)
+        with self._config_lock:
+            self._teardown(ProcessGroupAbortedError(
+                f"{self.getBackendName()} group was reconfigured; work in flight was abandoned"
+            ))
+            self._set_topology(rank, world_size)
+            proc, conn = self._spares.take()
+            child = _Child(proc, conn, self._timeout,
+                           f"{self.getBackendName()} rank {rank}/{world_size}")
+            try:
+                child.configure(self.BACKEND, store_addr, rank, world_size, self._device())
+            except Exception as exc:
+                child.kill(BackendProcessError(str(exc)))
+                raise RuntimeError(
+                    f"{type(self).__name__}.configure({store_addr!r}, rank={rank}, "
+                    f"world_size={world_size}) failed: {exc}"
+                ) from exc
+            finally:
+                threading.Thread(target=self._spares.refill, name="ftdist-baby-spare",
+                                 daemon=True).start()
+            self._child = child
+            self._error = None
+
+    def _teardown(self, reason: Exception) -> None:
+        child, self._child = self._child, None
+        if child is not None:
+            child.kill(reason)
+
+    def abort(self) -> None:
+        """Kill the child; in-flight ops fail at once. Configure to resume."""
+        with self._config_lock:
+            if self._child is not None:
+                self._error = ProcessGroupAbortedError(f"{self.getBackendName()} group was aborted")
+                self._teardown(self._error)
+
+    def shutdown(self) -> None:
+        """Kill the child and the warm spare."""
+        with self._config_lock:
+            self._teardown(ProcessGroupAbortedError(f"{self.getBackendName()} group was shut down"))
+            self._spares.close()
+        super().shutdown()
+
+    def errored(self) -> Exception | None:
+        """The error that killed the current child, if any, until the next configure."""
+        child = self._child
+        if child is not None and child.dead is not None:
+            return child.dead
+        return self._error
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Use ``timeout`` from the next configure on."""
+        self._timeout = _as_timedelta(timeout)
+
+    def getBackendName(self) -> str:
+        """``"ftdist-baby-<backend>"``."""
+        return f"ftdist-baby-{self.BACKEND}"
+
+    def _live_child(self) -> _Child:
+        child = self._child
+        if child is None:
+            raise RuntimeError(
+                f"{type(self).__name__} is not configured: call configure(store_addr, rank, "
+                "world_size) before running collectives"
+            )
+        return child
+
+    def _collective(self, op: str, args: tuple[Any, ...], post: Post = None) -> dist.Work:
+        return self._live_child().submit(BACKEND_NAME.get(op, op), args, op, post)
+
+    def _collective_many(self, op: str, calls: list[tuple[Any, ...]], post: Post = None) -> dist.Work:
+        child = self._live_child()
+        works = [child.submit(BACKEND_NAME.get(op, op), args, op, None) for args in calls]
+        gen = Generation(child.describe(), self._timeout)
+        return FtWork(_WorkList(works), gen, op, post)
+
+
+class ProcessGroupBabyGloo(ProcessGroupBaby):
+    """Gloo in a child process. Prefer :class:`ProcessGroupGloo` unless Gloo hangs bite."""
+
+    BACKEND = "gloo"
+
+
+class ProcessGroupBabyNCCL(ProcessGroupBaby):
+    """NCCL in a child process.
+
+    The child holds its own CUDA context (about 1 GB of device memory) and
+    time-shares the GPU with the trainer. A child killed mid-op may leave the
+    CUDA IPC mappings of the tensors it held until the trainer frees them.
+    """
+
+    BACKEND = "nccl"
+
+    def _device(self) -> int | None:
+        return torch.cuda.current_device() if torch.cuda.is_available() else None
+
+    def _native_avg(self) -> bool:
+        return True

@@ -1,0 +1,76 @@
+"""A group whose allreduce goes through a fault-tolerance Manager."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch._C._distributed_c10d as c10d
+import torch.distributed as dist
+
+from ftdist.process_group.base import Post, ProcessGroup, _as_list, _reduce_op
+from ftdist.process_group.wrapper import ProcessGroupWrapper
+
+
+class _ManagerLike(Protocol):
+    _pg: Any
+
+    def allreduce(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any: ...
+
+    def num_participants(self) -> int: ...
+
+
+class ManagedProcessGroup(ProcessGroupWrapper):
+    """The Manager's group, seen by model code as an ordinary group.
+
+    ``allreduce`` goes to ``manager.allreduce(tensor)``: fault tolerant (errors
+    are reported to the manager, not raised) and averaged over the
+    participating replicas. :meth:`size` is the number of participants, which
+    changes as replicas come and go. Every other collective goes straight to
+    the manager's group.
+
+    Args:
+        manager: a :class:`ftdist.manager.Manager` (or anything with ``_pg``,
+            ``allreduce(tensor, reduce_op=...)`` and ``num_participants()``).
+    """
+
+    def __init__(self, manager: _ManagerLike) -> None:
+        super().__init__(pg=manager._pg)
+        self._manager = manager
+
+    def size(self) -> int:
+        """The number of replicas participating in the current quorum."""
+        return int(self._manager.num_participants())
+
+    def getSize(self) -> int:
+        """Same as :meth:`size`, for C++ callers."""
+        return self.size()
+
+    def getBackendName(self) -> str:
+        """The manager's group's backend name."""
+        pg = self._manager._pg
+        return pg.getBackendName() if isinstance(pg, ProcessGroup) else str(pg.name())
+
+    def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:
+        """Fault-tolerant allreduce of one tensor through the manager.
+
+        Raises:
+            ValueError: more than one tensor is given.
+        """
+        tensors = _as_list(tensors, "allreduce")
+        if len(tensors) != 1:
+            raise ValueError(
+                f"ManagedProcessGroup.allreduce takes exactly one tensor, got {len(tensors)}"
+            )
+        if opts is None:
+            op = dist.ReduceOp.SUM
+        elif isinstance(opts, c10d.AllreduceOptions):
+            op = opts.reduceOp
+        else:
+            op = opts
+        return self._manager.allreduce(tensors[0], reduce_op=_reduce_op(op))
+
+    def _collective(self, op: str, args: tuple[Any, ...], post: Post = None) -> dist.Work:
+        # Other ops go to the manager's current group, whatever it is now.
+        self._pg = self._manager._pg
+        return super()._collective(op, args, post)

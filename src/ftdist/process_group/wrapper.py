@@ -1,0 +1,339 @@
+"""
+In-process reconfigurable groups: Gloo and NCCL
+===============================================
+
+:class:`ProcessGroupWrapper` owns one backend at a time and rebuilds it on
+every :meth:`~ProcessGroupWrapper.configure`. Each backend lifetime is a
+:class:`~ftdist.process_group.work.Generation`: tearing a backend down fails
+the work still in flight on it at once, instead of leaving a thread blocked
+until the backend's own timeout.
+
+A torn-down backend is released on a short-lived thread. The reason: a Gloo
+backend whose worker is blocked on a dead peer joins that worker in its
+destructor, which would otherwise block the caller of ``configure`` for the
+whole collective timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroup as BaseProcessGroup
+
+from ftdist.errors import ProcessGroupAbortedError
+from ftdist.process_group._store import create_store_client
+from ftdist.process_group.backends import create_gloo_backend, create_nccl_backend
+from ftdist.process_group.base import BACKEND_NAME, Post, ProcessGroup
+from ftdist.process_group.work import FtWork, Generation, _DummyWork
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = timedelta(seconds=60)
+
+
+def _as_timedelta(timeout: timedelta | float | int, name: str = "timeout") -> timedelta:
+    if isinstance(timeout, timedelta):
+        td = timeout
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        td = timedelta(seconds=float(timeout))
+    else:
+        raise TypeError(f"{name} must be a datetime.timedelta or seconds, got {timeout!r}")
+    if td <= timedelta(0):
+        raise ValueError(f"{name} must be positive, got {td}")
+    return td
+
+
+def release_backend(backend: Any) -> None:
+    """Abort ``backend`` and drop it on a background thread (see module docstring)."""
+    if backend is None:
+        return
+
+    def _release(b: Any = backend) -> None:
+        try:
+            if hasattr(b, "abort"):
+                b.abort()
+        except Exception:  # a dying backend may refuse; we only want it gone
+            logger.debug("abort of a released backend failed", exc_info=True)
+        del b
+
+    del backend
+    threading.Thread(target=_release, name="ftdist-pg-release", daemon=True).start()
+
+
+class _WorkList:
+    """Several backend works seen as one (for the coalesced collectives)."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self._works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def wait(self) -> bool:
+        for w in self._works:
+            w.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return torch.futures.collect_all([w.get_future() for w in self._works])
+
+    def exception(self) -> Any:
+        for w in self._works:
+            if w.exception() is not None:
+                return w.exception()
+        return None
+
+    def result(self) -> list[Any]:
+        return [w.result() for w in self._works]
+
+    def source_rank(self) -> int:
+        raise RuntimeError("source_rank() is only defined for recv_anysource work")
+
+    def synchronize(self) -> None:
+        for w in self._works:
+            w.synchronize()
+
+
+class ProcessGroupWrapper(ProcessGroup):
+    """A reconfigurable group around a backend created anew on each configure.
+
+    Args:
+        pg: an existing group to wrap. An ftdist group is reconfigured through
+            this wrapper; a plain torch group is used as is (it cannot be
+            reconfigured).
+        timeout: collective timeout of the backends this wrapper creates.
+
+    Raises:
+        TypeError: ``pg`` is not a ``torch.distributed.ProcessGroup``.
+    """
+
+    def __init__(self, pg: BaseProcessGroup | None = None,
+                 timeout: timedelta | float = DEFAULT_TIMEOUT) -> None:
+        super().__init__()
+        if pg is not None and not isinstance(pg, BaseProcessGroup):
+            raise TypeError(f"pg must be a torch.distributed.ProcessGroup, got {type(pg).__name__}")
+        self._timeout = _as_timedelta(timeout)
+        self._pg: Any = pg
+        self._gen: Generation | None = None
+        self._error: Exception | None = None
+        if pg is not None and not isinstance(pg, ProcessGroup):
+            self._gen = Generation(self._describe(), self._timeout)
+            self._rank, self._world_size = pg.rank(), pg.size()
+
+    @property
+    def parent(self) -> BaseProcessGroup:
+        """The current backend (or wrapped group).
+
+        Raises:
+            RuntimeError: the group was never configured, or was aborted.
+        """
+        pg = self._pg
+        if pg is None:
+            raise RuntimeError(
+                f"{type(self).__name__} is not configured: call configure(store_addr, rank, "
+                "world_size) before running collectives"
+            )
+        return pg
+
+    def _describe(self) -> str:
+        return f"{self.getBackendName()} group (rank {self._rank} of {self._world_size})"
+
+    def _native_avg(self) -> bool:
+        # A wrapped ftdist group emulates AVG itself.
+        return isinstance(self._pg, ProcessGroup)
+
+    def getBackendName(self) -> str:
+        """The wrapped backend's name."""
+        pg = self._pg
+        if pg is None:
+            return "ftdist-wrapper"
+        if isinstance(pg, ProcessGroup):
+            return pg.getBackendName()
+        return str(pg.name()) if hasattr(pg, "name") else type(pg).__name__
+
+    # -- reconfiguration ---------------------------------------------------------
+    def configure(self, store_addr: str, rank: int, world_size: int) -> None:
+        """Tear down the current backend and build a new one.
+
+        See :meth:`ProcessGroup.configure`.
+
+        Raises:
+            ValueError: malformed ``store_addr`` or invalid rank/world size.
+            TypeError: this wrapper wraps a plain torch group, which cannot be
+                reconfigured.
+            RuntimeError: the new backend could not be created.
+        """
+        self._check_configure_args(store_addr, rank, world_size)
+        with self._config_lock:
+            if isinstance(self._pg, ProcessGroup):
+                self._pg.configure(store_addr, rank, world_size)
+                self._set_topology(rank, world_size)
+                return
+            if self._pg is not None and self._gen is None:
+                raise TypeError("this wrapper wraps a plain torch group, which cannot be reconfigured")
+            self._teardown("reconfigured")
+            self._set_topology(rank, world_size)
+            store = create_store_client(store_addr, timeout=self._timeout)
+            try:
+                backend = self._create_pg(store, rank, world_size)
+            except Exception as exc:
+                raise RuntimeError(
+                    f"{type(self).__name__}.configure({store_addr!r}, rank={rank}, "
+                    f"world_size={world_size}) failed: {exc}"
+                ) from exc
+            self._gen = Generation(self._describe(), self._timeout)
+            self._error = None
+            self._pg = backend
+
+    def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> BaseProcessGroup:
+        raise NotImplementedError(f"{type(self).__name__} cannot create a backend")
+
+    def _teardown(self, reason: str) -> None:
+        gen, self._gen = self._gen, None
+        if gen is not None:
+            gen.abort(reason)
+        backend, self._pg = self._pg, None
+        release_backend(backend)
+
+    def abort(self) -> None:
+        """Fail all in-flight work now and drop the backend; configure to resume."""
+        with self._config_lock:
+            if isinstance(self._pg, ProcessGroup):
+                self._pg.abort()
+                return
+            if self._pg is not None:
+                self._error = ProcessGroupAbortedError(f"{self._describe()} was aborted")
+            self._teardown("aborted")
+
+    def shutdown(self) -> None:
+        """Drop the backend; in-flight work fails. The group may be configured again."""
+        with self._config_lock:
+            if isinstance(self._pg, ProcessGroup):
+                self._pg.shutdown()
+            else:
+                self._teardown("shut down")
+        super().shutdown()
+
+    def errored(self) -> Exception | None:
+        """The abort error, until the next configure."""
+        if isinstance(self._pg, ProcessGroup):
+            return self._pg.errored()
+        return self._error
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Use ``timeout`` for backends created by later configures."""
+        self._timeout = _as_timedelta(timeout)
+
+    # -- the hook ---------------------------------------------------------------------
+    def _collective(self, op: str, args: tuple[Any, ...], post: Post = None) -> dist.Work:
+        pg = self.parent
+        if isinstance(pg, ProcessGroup):
+            return getattr(pg, op)(*args)
+        gen = self._gen
+        assert gen is not None
+        name = BACKEND_NAME.get(op, op)
+        fn = getattr(pg, name, None)
+        if fn is None:
+            raise RuntimeError(f"{self.getBackendName()} does not support {op}")
+        work = fn(*args)
+        if work is None:  # monitored_barrier blocks and returns nothing
+            return _DummyWork(None)
+        return self._wrap(work, gen, op, post)
+
+    def _collective_many(self, op: str, calls: list[tuple[Any, ...]], post: Post = None) -> dist.Work:
+        pg = self.parent
+        if isinstance(pg, ProcessGroup):
+            return pg._collective_many(op, calls, post)
+        gen = self._gen
+        assert gen is not None
+        fn = getattr(pg, BACKEND_NAME.get(op, op))
+        return self._wrap(_WorkList([fn(*args) for args in calls]), gen, op, post)
+
+    def _wrap(self, work: Any, gen: Generation, op: str, post: Post) -> dist.Work:
+        return FtWork(work, gen, op, post)
+
+
+class ProcessGroupGloo(ProcessGroupWrapper):
+    """A reconfigurable Gloo group.
+
+    Args:
+        timeout: the collective timeout; a dead or stopped peer makes waits
+            raise within it (plus a small margin).
+    """
+
+    def __init__(self, timeout: timedelta | float = DEFAULT_TIMEOUT) -> None:
+        super().__init__(timeout=timeout)
+
+    def getBackendName(self) -> str:
+        """``"ftdist-gloo"``."""
+        return "ftdist-gloo"
+
+    def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> BaseProcessGroup:
+        return create_gloo_backend(store, rank, world_size, self._timeout)
+
+
+class ProcessGroupNCCL(ProcessGroupWrapper):
+    """A reconfigurable NCCL group.
+
+    Reconfiguring aborts the old communicator (``ncclCommAbort``), which
+    unblocks kernels waiting on a dead peer. Work waits only block the current
+    CUDA stream, as with torch's NCCL group; a watchdog aborts the
+    communicator when a wait exceeds the timeout.
+
+    Args:
+        pg: an existing group to wrap instead of creating NCCL communicators.
+        timeout: the collective timeout.
+
+    Raises:
+        RuntimeError: at configure, if CUDA or NCCL is unavailable.
+    """
+
+    def __init__(self, pg: BaseProcessGroup | None = None,
+                 timeout: timedelta | float = DEFAULT_TIMEOUT) -> None:
+        super().__init__(pg=pg, timeout=timeout)
+
+    def getBackendName(self) -> str:
+        """``"ftdist-nccl"``."""
+        return "ftdist-nccl"
+
+    def _native_avg(self) -> bool:
+        return True
+
+    def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> BaseProcessGroup:
+        return create_nccl_backend(store, rank, world_size, self._timeout)
+
+    def _wrap(self, work: Any, gen: Generation, op: str, post: Post) -> dist.Work:
+        return _NCCLWork(work, gen, op, post, self)
+
+
+class _NCCLWork(FtWork):
+    """NCCL work: ``wait`` blocks the stream; a timer aborts a hung communicator."""
+
+    def __init__(self, inner: Any, gen: Generation, op: str, post: Post,
+                 owner: ProcessGroupNCCL) -> None:
+        super().__init__(inner, gen, op, post)
+        self._owner = owner
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        limit = timeout if timeout else self._gen.timeout
+        timer = threading.Timer(limit.total_seconds(), self._owner.abort)
+        timer.daemon = True
+        timer.start()
+        try:
+            ok = bool(self._inner.wait())
+        except Exception as exc:
+            raise self._fail(exc) from exc
+        finally:
+            timer.cancel()
+        if self._gen.error is not None:
+            raise self._gen.error
+        self._run_post()
+        return ok
+
+
+__all__ = ["ProcessGroupGloo", "ProcessGroupNCCL", "ProcessGroupWrapper", "release_backend"]

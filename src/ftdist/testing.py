@@ -1,0 +1,336 @@
+"""
+Multi-process test harness
+==========================
+
+Runs N ranks of a function as real OS processes that meet on a real TCPStore
+bound to ``127.0.0.1`` port 0, and gathers what each rank returned or the
+traceback it raised. Tests, benchmarks and the demo share it.
+
+Children start from a fork server that has already imported torch, so a rank
+costs tens of milliseconds to start instead of a full interpreter plus torch
+import (seconds on a 2-core machine). The fork server is a clean process: no
+Gloo, CUDA or threads exist in it when it forks.
+
+Example::
+
+    def body(ctx: RankContext) -> float:
+        pg = ProcessGroupGloo()
+        pg.configure(ctx.store_addr, ctx.rank, ctx.world_size)
+        ...
+        return value
+
+    values = run_ranks(body, world_size=2, timeout=30)
+"""
+
+from __future__ import annotations
+
+import multiprocessing.connection as mpc
+import os
+import signal
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from ftdist._mp import forkserver_context as _context
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a rank function receives: its rank and where the group meets.
+
+    Attributes:
+        rank: this process's rank, ``0 <= rank < world_size``.
+        world_size: number of ranks started together.
+        store_host: host of the shared TCPStore (always ``127.0.0.1``).
+        store_port: port of the shared TCPStore.
+        prefix: a store prefix unique to this run; use it (or :meth:`addr`)
+            so that runs never see each other's keys.
+    """
+
+    rank: int
+    world_size: int
+    store_host: str
+    store_port: int
+    prefix: str
+
+    @property
+    def store_addr(self) -> str:
+        """``host:port/prefix`` for ``ProcessGroup.configure``."""
+        return f"{self.store_host}:{self.store_port}/{self.prefix}"
+
+    def addr(self, suffix: str) -> str:
+        """A fresh store address below this run's prefix (one per configure)."""
+        return f"{self.store_host}:{self.store_port}/{self.prefix}/{suffix}"
+
+    def store(self, timeout: timedelta = timedelta(seconds=30)) -> Any:
+        """A client ``PrefixStore`` on the run's TCPStore."""
+        import torch.distributed as dist
+
+        tcp = dist.TCPStore(
+            self.store_host, self.store_port, is_master=False, timeout=timeout,
+            wait_for_workers=False,
+        )
+        return dist.PrefixStore(self.prefix, tcp)
+
+
+@dataclass
+class RankOutcome:
+    """How one rank ended.
+
+    Attributes:
+        rank: the rank.
+        value: what the function returned (None if it raised or died).
+        error: the formatted traceback if the function raised, else None.
+        exitcode: the process exit code; negative for a signal (``-9`` SIGKILL),
+            None if it was still running when the harness gave up on it.
+    """
+
+    rank: int
+    value: Any = None
+    error: str | None = None
+    exitcode: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when the rank returned normally."""
+        return self.error is None and self.exitcode == 0
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised, died or ran past the timeout.
+
+    The message carries every failing child's own traceback, so pytest shows
+    where the child failed rather than where the parent noticed.
+    """
+
+    def __init__(self, outcomes: Sequence[RankOutcome], reason: str) -> None:
+        self.outcomes = list(outcomes)
+        parts = [reason]
+        for o in outcomes:
+            if o.ok:
+                continue
+            if o.error is not None:
+                parts.append(f"--- rank {o.rank} raised:\n{o.error}")
+            elif o.exitcode is None:
+                parts.append(f"--- rank {o.rank} was still running and was killed")
+            else:
+                parts.append(f"--- rank {o.rank} exited with code {o.exitcode} without a result")
+        super().__init__("\n".join(parts))
+
+
+def _child_main(
+    fn: Callable[..., Any],
+    ctx: RankContext,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    env: Mapping[str, str],
+    conn: mpc.Connection,
+) -> None:
+    os.environ.update(env)
+    # A rank that the parent SIGSTOPs/SIGKILLs must not take the harness's
+    # SIGINT handling with it; keep the default.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        value = fn(ctx, *args, **kwargs)
+    except BaseException:
+        msg = ("err", traceback.format_exc())
+    else:
+        msg = ("ok", value)
+    try:
+        conn.send(msg)
+    except Exception:
+        conn.send(("err", "result could not be pickled:\n" + traceback.format_exc()))
+    conn.close()
+    # Skip interpreter teardown: a rank that already reported must not hang
+    # in a destructor of a half-dead backend (Gloo threads, pipes).
+    os._exit(0)
+
+
+@dataclass
+class Ranks:
+    """N rank processes started together; a context manager.
+
+    Leaving the ``with`` block kills every rank still running, so no child
+    outlives its test, whatever the test did.
+
+    Example::
+
+        with Ranks(body, world_size=3) as ranks:
+            time.sleep(1)
+            ranks.kill(2)                # SIGKILL rank 2
+            outcomes = ranks.join(timeout=30)
+    """
+
+    fn: Callable[..., Any]
+    world_size: int
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    env: Mapping[str, str] = field(default_factory=dict)
+    _procs: list[Any] = field(default_factory=list, init=False)
+    _conns: list[mpc.Connection] = field(default_factory=list, init=False)
+    _store: Any = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
+
+    def start(self) -> Ranks:
+        """Start the store and the rank processes. Returns self."""
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+            timeout=timedelta(seconds=60),
+        )
+        prefix = f"test/{uuid.uuid4().hex[:12]}"
+        ctx = _context()
+        for rank in range(self.world_size):
+            parent_end, child_end = ctx.Pipe(duplex=False)
+            rctx = RankContext(rank, self.world_size, "127.0.0.1", self._store.port, prefix)
+            proc = ctx.Process(  # type: ignore[attr-defined]
+                target=_child_main,
+                args=(self.fn, rctx, self.args, self.kwargs, dict(self.env), child_end),
+                name=f"ftdist-rank-{rank}",
+                # Not daemonic: a rank may start children of its own (Baby
+                # groups). The harness kills every rank itself.
+                daemon=False,
+            )
+            proc.start()
+            child_end.close()
+            self._procs.append(proc)
+            self._conns.append(parent_end)
+        return self
+
+    @property
+    def pids(self) -> list[int]:
+        """The rank processes' pids, by rank."""
+        return [p.pid for p in self._procs]
+
+    @property
+    def store_port(self) -> int:
+        """Port of the run's TCPStore (the parent hosts it)."""
+        return int(self._store.port)
+
+    def signal(self, rank: int, sig: int) -> None:
+        """Send ``sig`` to a rank (SIGKILL, SIGSTOP, SIGCONT, ...)."""
+        pid = self._procs[rank].pid
+        if pid is not None:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self, rank: int) -> None:
+        """SIGKILL a rank."""
+        self.signal(rank, signal.SIGKILL)
+
+    def join(self, timeout: float) -> list[RankOutcome]:
+        """Wait up to ``timeout`` seconds for every rank; kill the stragglers.
+
+        Returns one :class:`RankOutcome` per rank, in rank order. Never raises
+        for a failing rank; see :meth:`results` for the strict form.
+        """
+        outcomes = [RankOutcome(rank=r) for r in range(self.world_size)]
+        pending = {r for r in range(self.world_size)}
+        deadline = time.monotonic() + timeout
+        conn_rank = {id(c): r for r, c in enumerate(self._conns)}
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            waitables: list[Any] = [self._conns[r] for r in pending if not self._conns[r].closed]
+            waitables += [self._procs[r].sentinel for r in pending]
+            ready = mpc.wait(waitables, timeout=min(remaining, 1.0))
+            for obj in ready:
+                if isinstance(obj, mpc.Connection):
+                    r = conn_rank[id(obj)]
+                    try:
+                        kind, payload = obj.recv()
+                    except (EOFError, OSError):
+                        obj.close()
+                        continue
+                    if kind == "ok":
+                        outcomes[r].value = payload
+                    else:
+                        outcomes[r].error = payload
+                    obj.close()
+            for r in list(pending):
+                proc = self._procs[r]
+                if proc.exitcode is not None:
+                    # The result may have landed just before the exit.
+                    conn = self._conns[r]
+                    if not conn.closed and conn.poll(0):
+                        try:
+                            kind, payload = conn.recv()
+                            if kind == "ok":
+                                outcomes[r].value = payload
+                            else:
+                                outcomes[r].error = payload
+                        except (EOFError, OSError):
+                            pass
+                    outcomes[r].exitcode = proc.exitcode
+                    pending.discard(r)
+        self.terminate()
+        return outcomes
+
+    def results(self, timeout: float) -> list[Any]:
+        """Join and return every rank's value; raise :class:`RankFailure` if any failed.
+
+        Raises:
+            RankFailure: a rank raised, died or was still running at ``timeout``.
+        """
+        outcomes = self.join(timeout)
+        if not all(o.ok for o in outcomes):
+            raise RankFailure(outcomes, f"{sum(not o.ok for o in outcomes)} of "
+                                        f"{self.world_size} ranks failed")
+        return [o.value for o in outcomes]
+
+    def terminate(self) -> None:
+        """Kill every rank still running (SIGCONT first, so a stopped one dies too)."""
+        for proc in self._procs:
+            if proc.exitcode is None and proc.pid is not None:
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.kill(proc.pid, sig)
+                    except ProcessLookupError:
+                        break
+        for proc in self._procs:
+            proc.join(timeout=10)
+        for conn in self._conns:
+            conn.close()
+
+    def __enter__(self) -> Ranks:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.terminate()
+        self._store = None
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 60.0,
+    env: Mapping[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` rank processes.
+
+    ``fn`` must be importable by name (a module-level function). Returns the
+    values in rank order.
+
+    Raises:
+        RankFailure: a rank raised (its traceback is in the message), died, or
+            was still running after ``timeout`` seconds (it is killed).
+        ValueError: ``world_size`` is not a positive int.
+    """
+    with Ranks(fn, world_size, args=args, kwargs=kwargs, env=dict(env or {})) as ranks:
+        return ranks.results(timeout)
+
+
+__all__ = ["RankContext", "RankFailure", "RankOutcome", "Ranks", "run_ranks"]
