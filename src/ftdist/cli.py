@@ -22,6 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     # Subcommands register here as their issues land (lighthouse, status, demo).
+    from ftdist.coordination import lighthouse_cli
+
+    lighthouse_cli.register(sub)
     return parser
 
 

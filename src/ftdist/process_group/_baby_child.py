@@ -27,6 +27,7 @@ import torch
 from ftdist.process_group._shm import Importer
 from ftdist.process_group._store import create_store_client
 from ftdist.process_group.backends import CREATORS
+from ftdist.process_group.work import on_complete
 
 
 def child_main(conn: Connection) -> None:
@@ -62,9 +63,11 @@ def _configure(conn: Connection, kind: str, store_addr: str, rank: int, world_si
 
 
 def _on_done(reply: Any, op_id: int, name: str, work: Any, cuda: bool,
-             fut: torch.futures.Future) -> None:
+             _value: Any, error: BaseException | None) -> None:
+    if error is not None:
+        reply(("done", op_id, f"{type(error).__name__}: {error}", None))
+        return
     try:
-        fut.value()
         extra: Any = None
         if name == "recv_anysource":
             extra = work.source_rank()
@@ -108,6 +111,4 @@ def _serve(conn: Connection, backend: Any) -> None:
         if work is None:
             reply(("done", op_id, None, None))
             continue
-        work.get_future().add_done_callback(
-            functools.partial(_on_done, reply, op_id, name, work, event is not None)
-        )
+        on_complete(work, functools.partial(_on_done, reply, op_id, name, work, event is not None))

@@ -115,6 +115,42 @@ class Generation:
             listener._on_abort(self.error)
 
 
+def on_complete(inner: Any, callback: Callable[[Any, BaseException | None], None]) -> None:
+    """Call ``callback(value, error)`` once ``inner`` (a backend Work) completes.
+
+    Some Gloo works (send, recv, reduce_scatter) have no future; for those a
+    short-lived thread waits on the work instead. It ends when the backend
+    completes or times the op out.
+    """
+    try:
+        fut = inner.get_future()
+    except RuntimeError:
+        def waiter() -> None:
+            try:
+                inner.wait()
+            except Exception as exc:
+                callback(None, exc)
+                return
+            try:
+                value = inner.result()
+            except RuntimeError:  # "Work::result not implemented" (send/recv)
+                value = None
+            callback(value, None)
+
+        threading.Thread(target=waiter, name="ftdist-work-wait", daemon=True).start()
+        return
+
+    def done(f: torch.futures.Future) -> None:
+        try:
+            value = f.value()
+        except Exception as exc:
+            callback(None, exc)
+            return
+        callback(value, None)
+
+    fut.add_done_callback(done)
+
+
 class _SettableOnce:
     """A torch future that only the first of several racing producers completes."""
 
@@ -141,6 +177,11 @@ class _SettableOnce:
 class FtWork(dist._Work):
     """Work of an ftdist group: abortable, time-bounded, with a completion step.
 
+    Completion is observed once, by one watcher (the backend future's
+    callback, or a waiter thread for works without a future); ``wait`` and
+    ``get_future`` both read what the watcher saw. A Gloo send/recv must be
+    waited exactly once, so nothing else may call the inner ``wait``.
+
     Args:
         inner: the backend's work (or any object with ``is_completed``,
             ``wait`` and ``get_future``).
@@ -162,29 +203,59 @@ class FtWork(dist._Work):
         self._gen = generation
         self._op = op
         self._post = post
-        self._post_lock = threading.Lock() if post is not None else None
-        self._event: threading.Event | None = None
+        self._lock = threading.Lock()
+        self._watching = False
+        self._outcome: tuple[Any, CommunicationError | None] | None = None
+        self._event = threading.Event()
         self._future: _SettableOnce | None = None
 
     # -- completion ---------------------------------------------------------
     def _run_post(self) -> None:
-        if self._post_lock is None:
-            return
-        with self._post_lock:
+        with self._lock:
             post, self._post = self._post, None
-            if post is not None:
-                post()
-
-    def _on_abort(self, err: ProcessGroupAbortedError) -> None:
-        if self._event is not None:
-            self._event.set()
-        if self._future is not None:
-            self._future.exception(err)
+        if post is not None:
+            post()
 
     def _fail(self, exc: BaseException) -> CommunicationError:
         if isinstance(exc, CommunicationError):
             return exc
         return CommunicationError(f"{self._gen.description}: {self._op} failed: {exc}")
+
+    def _finish(self, value: Any, error: BaseException | None) -> None:
+        if error is None:
+            try:
+                self._run_post()
+            except Exception as exc:
+                error = exc
+        with self._lock:
+            if self._outcome is not None:
+                return
+            self._outcome = (value, None if error is None else self._fail(error))
+            future = self._future
+        self._event.set()
+        if future is not None:
+            self._resolve(future)
+
+    def _resolve(self, future: _SettableOnce) -> None:
+        assert self._outcome is not None
+        value, error = self._outcome
+        if error is not None:
+            future.exception(error)
+        else:
+            future.result(value)
+
+    def _on_abort(self, err: ProcessGroupAbortedError) -> None:
+        self._finish(None, err)
+
+    def _watch(self) -> None:
+        with self._lock:
+            if self._watching:
+                return
+            self._watching = True
+        if not self._gen.add_listener(self):
+            self._finish(None, self._gen.error or ProcessGroupAbortedError(self._gen.description))
+            return
+        on_complete(self._inner, self._finish)
 
     # -- dist.Work API --------------------------------------------------------
     def wait(self, timeout: timedelta | None = None) -> bool:
@@ -197,73 +268,64 @@ class FtWork(dist._Work):
                 group's timeout plus a margin).
             CommunicationError: the backend reported a failure.
         """
-        inner = self._inner
-        if not inner.is_completed():
-            self._block(timeout)
-        try:
-            inner.wait()
-        except Exception as exc:
-            raise self._fail(exc) from exc
-        self._run_post()
-        return True
-
-    def _block(self, timeout: timedelta | None) -> None:
-        event = threading.Event()
-        self._event = event
-        if not self._gen.add_listener(self):
-            raise self._gen.error or ProcessGroupAbortedError(self._gen.description)
-        self._inner.get_future().add_done_callback(lambda _f: event.set())
+        if not self._watching and self._inner.is_completed():
+            # Fast path for work that finished before anyone waited.
+            try:
+                self._inner.wait()
+            except Exception as exc:
+                raise self._fail(exc) from exc
+            self._run_post()
+            return True
+        self._watch()
         limit = _seconds(timeout)
         if limit is None:
             limit = (self._gen.timeout + WAIT_MARGIN).total_seconds()
-        if not event.wait(limit):
+        if not self._event.wait(limit):
             raise CollectiveTimeoutError(
                 f"{self._gen.description}: {self._op} did not complete within {limit:.1f}s"
             )
-        if not self._inner.is_completed() and self._gen.error is not None:
-            raise self._gen.error
+        assert self._outcome is not None
+        if self._outcome[1] is not None:
+            raise self._outcome[1]
+        return True
 
     def get_future(self) -> torch.futures.Future:
         """A future that completes with the backend's result, or fails on abort."""
-        if self._future is not None:
-            return self._future.fut
-        once = _SettableOnce()
-        self._future = once
-        if not self._gen.add_listener(self):
-            once.exception(self._gen.error or ProcessGroupAbortedError(self._gen.description))
-            return once.fut
-
-        def on_done(fut: torch.futures.Future) -> None:
-            try:
-                value = fut.value()
-                self._run_post()
-            except Exception as exc:
-                once.exception(self._fail(exc))
-                return
-            once.result(value)
-
-        self._inner.get_future().add_done_callback(on_done)
-        return once.fut
+        with self._lock:
+            if self._future is None:
+                self._future = _SettableOnce()
+                done = self._outcome is not None
+            else:
+                return self._future.fut
+        if done:
+            self._resolve(self._future)
+        else:
+            self._watch()
+        return self._future.fut
 
     def is_completed(self) -> bool:
-        return bool(self._inner.is_completed()) or self._gen.error is not None
+        return self._outcome is not None or bool(self._inner.is_completed())
 
     def is_success(self) -> bool:
+        if self._outcome is not None:
+            return self._outcome[1] is None
         return bool(self._inner.is_completed()) and self._inner.exception() is None
 
     def exception(self) -> Any:
-        if self._gen.error is not None and not self._inner.is_completed():
-            return self._gen.error
+        if self._outcome is not None:
+            return self._outcome[1]
         return self._inner.exception()
 
     def source_rank(self) -> int:
         return int(self._inner.source_rank())
 
     def result(self) -> Any:
+        if self._outcome is not None:
+            return self._outcome[0]
         return self._inner.result()
 
     def synchronize(self) -> None:
         self._inner.synchronize()
 
 
-__all__ = ["WAIT_MARGIN", "FtWork", "Generation", "completed_future"]
+__all__ = ["WAIT_MARGIN", "FtWork", "Generation", "completed_future", "on_complete"]
