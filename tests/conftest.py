@@ -30,15 +30,20 @@ def _children() -> set[int]:
     return pids
 
 
-def _forkserver_pid() -> int | None:
-    from multiprocessing import forkserver
+def _session_processes() -> set[int | None]:
+    """The fork server and multiprocessing's resource tracker: process-wide caches."""
+    from multiprocessing import forkserver, resource_tracker
 
-    return getattr(forkserver._forkserver, "_forkserver_pid", None)
+    return {getattr(forkserver._forkserver, "_forkserver_pid", None),
+            getattr(resource_tracker._resource_tracker, "_pid", None)}
 
 
 def _threads() -> set[threading.Thread]:
+    # "(_serve)" is multiprocessing's resource sharer, which hands shared
+    # memory file descriptors to Baby children for the rest of the session.
     return {t for t in threading.enumerate()
-            if t is not threading.main_thread() and not t.name.startswith(_SESSION_THREADS)}
+            if t is not threading.main_thread() and not t.name.startswith(_SESSION_THREADS)
+            and not t.name.endswith("(_serve)")}
 
 
 @pytest.fixture(autouse=True)
@@ -49,8 +54,8 @@ def no_leaks() -> Iterator[None]:
     yield
     deadline = time.monotonic() + 10
     while True:
-        # The fork server is the harness's process-wide cache, not a test's.
-        allowed = children_before | {_forkserver_pid()}
+        # The fork server and resource tracker serve the session, not a test.
+        allowed = children_before | _session_processes()
         leaked_children = _children() - allowed
         leaked_threads = {t for t in _threads() - threads_before if t.is_alive()}
         if not leaked_children and not leaked_threads:

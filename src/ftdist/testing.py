@@ -228,14 +228,15 @@ class Ranks:
         """SIGKILL a rank."""
         self.signal(rank, signal.SIGKILL)
 
-    def join(self, timeout: float) -> list[RankOutcome]:
-        """Wait up to ``timeout`` seconds for every rank; kill the stragglers.
+    def join(self, timeout: float, only: Sequence[int] | None = None) -> list[RankOutcome]:
+        """Wait up to ``timeout`` seconds for every rank (or those in ``only``).
 
-        Returns one :class:`RankOutcome` per rank, in rank order. Never raises
-        for a failing rank; see :meth:`results` for the strict form.
+        Then every rank still running is killed. Returns one
+        :class:`RankOutcome` per rank, in rank order. Never raises for a
+        failing rank; see :meth:`results` for the strict form.
         """
         outcomes = [RankOutcome(rank=r) for r in range(self.world_size)]
-        pending = {r for r in range(self.world_size)}
+        pending = set(range(self.world_size) if only is None else only)
         deadline = time.monotonic() + timeout
         conn_rank = {id(c): r for r, c in enumerate(self._conns)}
         while pending:

@@ -72,6 +72,17 @@ def test_every_collective_gives_the_right_answer(outcomes, kind: str) -> None:
     assert not failures, f"{kind}: {failures}"
 
 
+def _three_ranks(ctx: RankContext) -> dict[str, str | None]:
+    return _run_checks(ctx, "gloo")
+
+
+@pytest.mark.timeout(300)
+def test_every_collective_with_three_ranks() -> None:
+    for per_rank in run_ranks(_three_ranks, 3, timeout=240):
+        failures = {n: e for n, e in per_rank.items() if e is not None and n not in UNSUPPORTED}
+        assert not failures, failures
+
+
 def _table(outcomes: dict[str, list[dict[str, str | None]]]) -> str:
     lines = ["| torch.distributed function | " + " | ".join(f"ftdist {k}" for k in KINDS) + " |",
              "|---|" + "---|" * len(KINDS)]

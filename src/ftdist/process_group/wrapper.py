@@ -8,16 +8,17 @@ every :meth:`~ProcessGroupWrapper.configure`. Each backend lifetime is a
 the work still in flight on it at once, instead of leaving a thread blocked
 until the backend's own timeout.
 
-A torn-down backend is released on a short-lived thread. The reason: a Gloo
-backend whose worker is blocked on a dead peer joins that worker in its
-destructor, which would otherwise block the caller of ``configure`` for the
-whole collective timeout.
+A torn-down backend is not destroyed at once but kept until its in-flight
+ops have timed out (see :class:`_Graveyard`). Until then such an op may still
+write into the tensors it was given; callers must treat the tensors of a
+failed step as garbage (the Manager never commits such a step).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -29,7 +30,7 @@ from ftdist.errors import ProcessGroupAbortedError
 from ftdist.process_group._store import create_store_client
 from ftdist.process_group.backends import create_gloo_backend, create_nccl_backend
 from ftdist.process_group.base import BACKEND_NAME, Post, ProcessGroup
-from ftdist.process_group.work import FtWork, Generation, _DummyWork
+from ftdist.process_group.work import WAIT_MARGIN, FtWork, Generation, _DummyWork
 
 logger = logging.getLogger(__name__)
 
@@ -48,21 +49,40 @@ def _as_timedelta(timeout: timedelta | float | int, name: str = "timeout") -> ti
     return td
 
 
-def release_backend(backend: Any) -> None:
-    """Abort ``backend`` and drop it on a background thread (see module docstring)."""
-    if backend is None:
-        return
+class _Graveyard:
+    """Torn-down backends, kept alive until their in-flight ops have timed out.
 
-    def _release(b: Any = backend) -> None:
-        try:
-            if hasattr(b, "abort"):
-                b.abort()
-        except Exception:  # a dying backend may refuse; we only want it gone
-            logger.debug("abort of a released backend failed", exc_info=True)
-        del b
+    A Gloo backend must not be destroyed (nor ``abort()``-ed) while an op is
+    in flight: its destructor and ``abort`` join the worker thread while
+    holding the GIL, and that worker needs the GIL to run the op's completion
+    callback, so the process deadlocks. Every op times out within the
+    backend's timeout, so after that much time the backend is idle and can
+    go. Sweeping happens on later configures; no thread is kept for it.
+    """
 
-    del backend
-    threading.Thread(target=_release, name="ftdist-pg-release", daemon=True).start()
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._graves: list[tuple[float, Any]] = []
+
+    def bury(self, backend: Any, timeout: timedelta) -> None:
+        if backend is None:
+            return
+        deadline = time.monotonic() + (timeout + WAIT_MARGIN).total_seconds()
+        with self._lock:
+            self._graves.append((deadline, backend))
+
+    def sweep(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            expired = [b for d, b in self._graves if d <= now]
+            self._graves = [(d, b) for d, b in self._graves if d > now]
+        del expired  # destructors run here, on idle backends
+
+    def __len__(self) -> int:
+        return len(self._graves)
+
+
+GRAVEYARD = _Graveyard()
 
 
 class _WorkList:
@@ -198,7 +218,11 @@ class ProcessGroupWrapper(ProcessGroup):
         if gen is not None:
             gen.abort(reason)
         backend, self._pg = self._pg, None
-        release_backend(backend)
+        self._bury(backend)
+        GRAVEYARD.sweep()
+
+    def _bury(self, backend: Any) -> None:
+        GRAVEYARD.bury(backend, self._timeout)
 
     def abort(self) -> None:
         """Fail all in-flight work now and drop the backend; configure to resume."""
@@ -310,6 +334,16 @@ class ProcessGroupNCCL(ProcessGroupWrapper):
     def _wrap(self, work: Any, gen: Generation, op: str, post: Post) -> dist.Work:
         return _NCCLWork(work, gen, op, post, self)
 
+    def _bury(self, backend: Any) -> None:
+        # ncclCommAbort is what unblocks kernels stuck on a dead peer; unlike
+        # Gloo's abort it does not wait for the op to finish.
+        if backend is not None:
+            try:
+                backend.abort()
+            except Exception:
+                logger.warning("NCCL abort failed", exc_info=True)
+        super()._bury(backend)
+
 
 class _NCCLWork(FtWork):
     """NCCL work: ``wait`` blocks the stream; a timer aborts a hung communicator."""
@@ -336,4 +370,4 @@ class _NCCLWork(FtWork):
         return ok
 
 
-__all__ = ["ProcessGroupGloo", "ProcessGroupNCCL", "ProcessGroupWrapper", "release_backend"]
+__all__ = ["GRAVEYARD", "ProcessGroupGloo", "ProcessGroupNCCL", "ProcessGroupWrapper"]

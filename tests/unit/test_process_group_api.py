@@ -1,0 +1,221 @@
+"""The seed API of ftdist.process_group, in this process (world size 1 where real)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+import ftdist.process_group as fpg
+from ftdist.errors import ProcessGroupAbortedError
+from ftdist.process_group import (
+    ManagedProcessGroup,
+    ProcessGroup,
+    ProcessGroupBabyGloo,
+    ProcessGroupDummy,
+    ProcessGroupGloo,
+    ProcessGroupWrapper,
+)
+
+SEED_NAMES = [
+    "ProcessGroup", "ProcessGroupWrapper", "ProcessGroupGloo", "ProcessGroupNCCL",
+    "ProcessGroupBaby", "ProcessGroupBabyGloo", "ProcessGroupBabyNCCL", "ProcessGroupDummy",
+    "ErrorSwallowingProcessGroupWrapper", "ManagedProcessGroup", "create_store_client",
+    "extend_device_mesh",
+]
+
+
+def test_every_seed_name_exists_and_groups_are_torch_groups() -> None:
+    for name in SEED_NAMES:
+        assert hasattr(fpg, name), name
+    assert issubclass(ProcessGroup, dist.ProcessGroup)
+    for method in ("configure", "allreduce", "allgather", "broadcast", "broadcast_one", "size",
+                   "getBackendName", "register", "unregister"):
+        assert callable(getattr(ProcessGroup, method)), method
+
+
+@pytest.fixture
+def store() -> Iterator[dist.TCPStore]:
+    yield dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def _addr(store: dist.TCPStore) -> str:
+    return f"127.0.0.1:{store.port}/{uuid.uuid4().hex}"
+
+
+@pytest.mark.parametrize("cls", [ProcessGroupGloo, ProcessGroupBabyGloo])
+def test_ops_before_configure_name_configure(cls: type) -> None:
+    pg = cls()
+    try:
+        assert pg.size() == 0
+        with pytest.raises(RuntimeError, match=r"configure\(\)|call configure"):
+            pg.allreduce([torch.ones(1)])
+        with pytest.raises(RuntimeError, match="configure"):
+            dist.all_reduce(torch.ones(1), group=pg)
+    finally:
+        pg.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("addr", "rank", "world", "exc", "needle"),
+    [
+        ("nope", 0, 1, ValueError, "store_addr 'nope'"),
+        ("127.0.0.1:1/x", 1, 1, ValueError, "rank must be in"),
+        ("127.0.0.1:1/x", 0, 0, ValueError, "world_size must be >= 1"),
+        ("127.0.0.1:1/x", "0", 1, TypeError, "rank must be an int"),
+        (1234, 0, 1, TypeError, "store_addr must be a str"),
+    ],
+)
+def test_configure_rejects_bad_input_before_connecting(addr: object, rank: object,
+                                                       world: object, exc: type,
+                                                       needle: str) -> None:
+    pg = ProcessGroupGloo(timeout=1)
+    with pytest.raises(exc, match=needle):
+        pg.configure(addr, rank, world)  # type: ignore[arg-type]
+
+
+def test_timeout_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        ProcessGroupGloo(timeout=0)
+    with pytest.raises(TypeError, match="timeout must be"):
+        ProcessGroupGloo(timeout="60")  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cls", [ProcessGroupGloo, ProcessGroupBabyGloo])
+def test_world_size_one_and_reconfigure(cls: type, store: dist.TCPStore) -> None:
+    pg = cls(timeout=10)
+    try:
+        for _ in range(3):
+            pg.configure(_addr(store), 0, 1)
+            assert (pg.rank(), pg.size(), dist.get_world_size(pg)) == (0, 1, 1)
+            t = torch.arange(4, dtype=torch.float)
+            dist.all_reduce(t, op=dist.ReduceOp.AVG, group=pg)
+            assert t.tolist() == [0.0, 1.0, 2.0, 3.0]
+            pg.broadcast_one(t, 0).wait()
+        assert pg.getBackendName().startswith("ftdist-")
+        assert pg.errored() is None
+    finally:
+        pg.shutdown()
+
+
+def test_avg_of_integers_is_a_clear_error(store: dist.TCPStore) -> None:
+    pg = ProcessGroupGloo(timeout=5)
+    pg.configure(_addr(store), 0, 1)
+    try:
+        with pytest.raises(ValueError, match=r"AVG needs floating-point tensors, got dtype torch.int64"):
+            pg.allreduce([torch.ones(2, dtype=torch.int64)], dist.ReduceOp.AVG)
+    finally:
+        pg.shutdown()
+
+
+def test_bad_peer_ranks_are_rejected(store: dist.TCPStore) -> None:
+    pg = ProcessGroupGloo(timeout=5)
+    pg.configure(_addr(store), 0, 1)
+    try:
+        with pytest.raises(ValueError, match="broadcast root 3 is not a rank"):
+            pg.broadcast([torch.ones(1)], 3)
+        with pytest.raises(TypeError, match="send destination must be an int"):
+            pg.send([torch.ones(1)], "1", 0)  # type: ignore[arg-type]
+    finally:
+        pg.shutdown()
+
+
+def test_abort_fails_pending_and_configure_resumes(store: dist.TCPStore) -> None:
+    pg = ProcessGroupGloo(timeout=5)
+    pg.configure(_addr(store), 0, 1)
+    pg.abort()
+    assert isinstance(pg.errored(), ProcessGroupAbortedError)
+    with pytest.raises(RuntimeError, match="configure"):
+        pg.allreduce([torch.ones(1)])
+    pg.configure(_addr(store), 0, 1)
+    assert pg.errored() is None
+    pg.allreduce([torch.ones(1)]).wait()
+    pg.shutdown()
+
+
+def test_register_enables_functional_collectives_and_unregister_undoes(store: dist.TCPStore) -> None:
+    pg = ProcessGroupGloo(timeout=5)
+    pg.configure(_addr(store), 0, 1)
+    name = f"t{uuid.uuid4().hex[:6]}"
+    with pytest.raises(ValueError, match="name not set"):
+        _ = pg.group_name
+    assert pg.register(name) is pg
+    try:
+        assert pg.group_name == f"ftdist-gloo:{name}"
+        assert dist.distributed_c10d._resolve_process_group(pg.group_name) is pg
+        with pytest.raises(ValueError, match="already registered"):
+            pg.register("again")
+        out = funcol.wait_tensor(funcol.all_reduce(torch.ones(2), "sum", pg))
+        assert out.tolist() == [1.0, 1.0]
+    finally:
+        pg.unregister()
+    with pytest.raises(ValueError, match="name not set"):
+        funcol.all_reduce(torch.ones(2), "sum", pg)
+    with pytest.raises(RuntimeError, match="Could not resolve"):
+        dist.distributed_c10d._resolve_process_group(f"ftdist-gloo:{name}")
+    with pytest.raises(ValueError, match="not registered"):
+        pg.unregister()
+    pg.shutdown()
+
+
+def test_dummy_accepts_world_one_only_and_discards() -> None:
+    with pytest.raises(ValueError, match="only rank 0 of world size 1"):
+        ProcessGroupDummy(0, 2)
+    pg = ProcessGroupDummy(0, 1)
+    t = torch.tensor([3.0])
+    assert pg.allreduce([t]).wait()
+    assert t.item() == 3.0
+    out = [torch.zeros(1)]
+    pg.allgather([out], [t]).wait()
+    assert out[0].item() == 3.0
+    dist.all_reduce(t, group=pg)
+    pg.configure("x:1/y", 0, 1)
+    assert pg.configure_count == 1
+    with pytest.raises(ValueError, match="world_size=2"):
+        pg.configure("x:1/y", 0, 2)
+    assert pg.size() == 1 and pg.getBackendName() == "ftdist-dummy"
+
+
+class _FakeManager:
+    def __init__(self) -> None:
+        self._pg = ProcessGroupDummy(0, 1)
+        self.calls: list[tuple[float, object]] = []
+        self.participants = 3
+
+    def allreduce(self, tensor: torch.Tensor, reduce_op: object = None) -> dist.Work:
+        self.calls.append((float(tensor[0]), reduce_op))
+        tensor.mul_(2)
+        return fpg.work._DummyWork(tensor)
+
+    def num_participants(self) -> int:
+        return self.participants
+
+
+def test_managed_routes_allreduce_to_manager_and_reports_participants() -> None:
+    manager = _FakeManager()
+    pg = ManagedProcessGroup(manager)
+    t = torch.tensor([5.0])
+    dist.all_reduce(t, op=dist.ReduceOp.AVG, group=pg)
+    assert t.item() == 10.0
+    assert manager.calls == [(5.0, dist.ReduceOp.AVG)]
+    assert pg.size() == 3 and dist.get_world_size(pg) == 3
+    manager.participants = 2
+    assert pg.size() == 2
+    with pytest.raises(ValueError, match="exactly one tensor"):
+        pg.allreduce([torch.ones(1), torch.ones(1)])
+    pg.broadcast([t], 0).wait()  # other ops go to the manager's group
+    assert pg.getBackendName() == "ftdist-dummy"
+
+
+def test_wrapper_of_plain_group_cannot_reconfigure() -> None:
+    inner = ProcessGroupDummy(0, 1)
+    wrapper = ProcessGroupWrapper(pg=inner)
+    t = torch.ones(1)
+    wrapper.allreduce([t]).wait()
+    with pytest.raises(TypeError, match=r"torch\.distributed\.ProcessGroup"):
+        ProcessGroupWrapper(pg="nope")  # type: ignore[arg-type]
