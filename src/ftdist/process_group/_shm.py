@@ -69,7 +69,7 @@ class ReduceOpRef:
 
 
 def _red_op_value(op: Any) -> int:
-    kind = op.op if isinstance(op, dist.ReduceOp) else op
+    kind = getattr(op, "op", op)
     if kind == dist.ReduceOp.PREMUL_SUM:
         raise ValueError("ReduceOp.PREMUL_SUM is not supported by Baby process groups")
     return int(kind.value)
@@ -125,7 +125,7 @@ class Exporter:
                 new.append((key, whole))
         else:
             key = entry[0]
-        return TensorRef(key, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
+        return TensorRef(key, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()), t.dtype,
                          device)
 
     def retired(self) -> list[int]:

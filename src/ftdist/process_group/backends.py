@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import ProcessGroup as BaseProcessGroup
 
 
 def create_gloo_backend(store: dist.Store, rank: int, world_size: int,
-                        timeout: timedelta) -> BaseProcessGroup:
+                        timeout: timedelta) -> Any:
     """A Gloo backend built as ``torch.distributed`` builds its own.
 
     Raises:
@@ -24,7 +24,7 @@ def create_gloo_backend(store: dist.Store, rank: int, world_size: int,
 
 
 def create_nccl_backend(store: dist.Store, rank: int, world_size: int,
-                        timeout: timedelta) -> BaseProcessGroup:
+                        timeout: timedelta) -> Any:
     """An NCCL backend, connected eagerly on the current CUDA device.
 
     Connecting eagerly keeps NCCL's communicator init out of the first

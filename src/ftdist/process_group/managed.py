@@ -1,5 +1,8 @@
 """A group whose allreduce goes through a fault-tolerance Manager."""
 
+# See base.py: overrides of torch's overloaded pybind signatures.
+# mypy: disable-error-code="override, assignment"
+
 from __future__ import annotations
 
 from typing import Any, Protocol
