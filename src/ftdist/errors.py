@@ -34,6 +34,10 @@ class BackendProcessError(CommunicationError):
     """The subprocess running a Baby process group died or stopped answering."""
 
 
+class CheckpointError(CommunicationError):
+    """A live checkpoint transfer failed: wrong step, truncated or corrupted."""
+
+
 class CoordinationError(FtdistError, RuntimeError):
     """A call to the lighthouse or a manager server failed.
 
@@ -51,6 +55,7 @@ class CoordinationTimeoutError(FtdistError, TimeoutError):
 
 __all__ = [
     "BackendProcessError",
+    "CheckpointError",
     "CollectiveTimeoutError",
     "CommunicationError",
     "CoordinationError",

@@ -1,0 +1,23 @@
+"""
+Live checkpoint transports
+==========================
+
+How a recovering replica gets the state of a healthy one, in memory, without
+touching storage:
+
+- :class:`HTTPTransport` (the Manager's default): the source serves its live
+  state over HTTP, the destination pulls it.
+- :class:`PGTransport`: send/recv over the (just reconfigured) process group.
+
+Both stream tensors straight from and into memory (no serialised copy of the
+whole state), end each stream with a CRC-32 so corruption or truncation is an
+error, and refuse a checkpoint of the wrong step.
+"""
+
+from __future__ import annotations
+
+from ftdist.checkpointing.http_transport import HTTPTransport
+from ftdist.checkpointing.pg_transport import PGTransport
+from ftdist.checkpointing.transport import CheckpointTransport, TransferStats
+
+__all__ = ["CheckpointTransport", "HTTPTransport", "PGTransport", "TransferStats"]
