@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
 from ftdist.errors import CheckpointError
 
@@ -100,10 +100,16 @@ def plan(state_dict: Any, step: int, num_chunks: int = 1
             tensor_index.append(index)
         else:
             metas.append(leaf)
+    try:
+        # A TreeSpec pickles with version-specific classes; its JSON form is
+        # stable across torch versions. Custom containers fall back to pickle.
+        portable_spec: Any = treespec_dumps(spec)
+    except Exception:
+        portable_spec = spec
     streams = []
     for chunk in range(max(1, num_chunks)):
         carried = tensor_index[chunk::max(1, num_chunks)]
-        header = pickle.dumps(Header(step, spec, metas, carried), protocol=pickle.HIGHEST_PROTOCOL)
+        header = pickle.dumps(Header(step, portable_spec, metas, carried), protocol=pickle.HIGHEST_PROTOCOL)
         streams.append((header, tensors[chunk::max(1, num_chunks)]))
     return streams
 
@@ -281,4 +287,5 @@ def assemble(header: Header, tensors: dict[int, torch.Tensor]) -> Any:
             leaves.append(tensors[index])
         else:
             leaves.append(leaf)
-    return tree_unflatten(leaves, header.spec)
+    spec = treespec_loads(header.spec) if isinstance(header.spec, str) else header.spec
+    return tree_unflatten(leaves, spec)
