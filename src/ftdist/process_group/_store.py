@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -60,14 +61,42 @@ def parse_store_addr(store_addr: str) -> StoreAddress:
     return StoreAddress(host, port, prefix)
 
 
+# One client connection per store server, shared by every configure: a new
+# TCPStore connection costs a millisecond and, on hosts whose resolver drops
+# reverse lookups, an occasional multi-second stall.
+_CLIENTS: dict[tuple[str, int], dist.TCPStore] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def _client(host: str, port: int, timeout: timedelta, reuse: bool) -> dist.TCPStore:
+    key = (host, port)
+    with _CLIENTS_LOCK:
+        tcp = _CLIENTS.get(key) if reuse else None
+        if tcp is None:
+            tcp = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                timeout=timeout)
+            if reuse:
+                _CLIENTS[key] = tcp
+    tcp.set_timeout(timeout)
+    return tcp
+
+
+def forget_store_client(store_addr: str) -> None:
+    """Drop the shared connection to a store (after it failed), so the next use reconnects."""
+    addr = parse_store_addr(store_addr)
+    with _CLIENTS_LOCK:
+        _CLIENTS.pop((addr.host, addr.port), None)
+
+
 def create_store_client(
-    store_addr: str, timeout: timedelta = timedelta(seconds=60)
+    store_addr: str, timeout: timedelta = timedelta(seconds=60), reuse: bool = True
 ) -> dist.Store:
     """Connect to the TCPStore at ``host:port/prefix`` and return a ``PrefixStore``.
 
     Args:
         store_addr: ``host:port/prefix``; see :func:`parse_store_addr`.
         timeout: how long store operations (and the connect) may block.
+        reuse: share one connection per ``host:port`` in this process.
 
     Raises:
         ValueError: malformed address (before any connection is tried).
@@ -77,7 +106,4 @@ def create_store_client(
     addr = parse_store_addr(store_addr)
     if not isinstance(timeout, timedelta):
         raise TypeError(f"timeout must be a datetime.timedelta, got {timeout!r}")
-    tcp = dist.TCPStore(
-        addr.host, addr.port, is_master=False, wait_for_workers=False, timeout=timeout
-    )
-    return dist.PrefixStore(addr.prefix, tcp)
+    return dist.PrefixStore(addr.prefix, _client(addr.host, addr.port, timeout, reuse))

@@ -201,16 +201,20 @@ class _Child:
             f"{self.describe()} exited unexpectedly (exit code {self.proc.exitcode})"
         ))
 
-    def kill(self, reason: Exception) -> None:
-        """Kill the child and fail every op still pending with ``reason``."""
+    def fail_pending(self, reason: Exception) -> None:
+        """Mark the child dead and fail every op still pending with ``reason``."""
         with self._lock:
             if self.dead is None:
                 self.dead = reason
             pending, self.pending = self.pending, {}
-        if self.proc.exitcode is None:
-            self.proc.kill()
         for work in pending.values():
             work._complete(self.dead)
+
+    def kill(self, reason: Exception) -> None:
+        """Kill the child and fail every op still pending with ``reason``."""
+        self.fail_pending(reason)
+        if self.proc.exitcode is None:
+            self.proc.kill()
         try:
             self.conn.close()
         except OSError:
@@ -315,7 +319,7 @@ class ProcessGroupBaby(ProcessGroup):
         with self._config_lock:
             self._teardown(ProcessGroupAbortedError(
                 f"{self.getBackendName()} group was reconfigured; work in flight was abandoned"
-            ))
+            ), background=True)
             self._set_topology(rank, world_size)
             proc, conn = self._spares.take()
             child = _Child(proc, conn, self._timeout,
@@ -334,9 +338,17 @@ class ProcessGroupBaby(ProcessGroup):
             self._child = child
             self._error = None
 
-    def _teardown(self, reason: Exception) -> None:
+    def _teardown(self, reason: Exception, background: bool = False) -> None:
         child, self._child = self._child, None
-        if child is not None:
+        if child is None:
+            return
+        if background:
+            # The old child's ops fail at once; joining its process and
+            # reader thread (~10 ms) need not delay the new configure.
+            child.fail_pending(reason)
+            threading.Thread(target=child.kill, args=(reason,), name="ftdist-baby-reap",
+                             daemon=True).start()
+        else:
             child.kill(reason)
 
     def abort(self) -> None:

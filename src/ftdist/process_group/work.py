@@ -12,6 +12,7 @@ ftdist hands out belongs to a :class:`Generation`, one backend lifetime, and
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
@@ -29,6 +30,18 @@ from ftdist.errors import (
 # Extra time a waiter grants a backend beyond its own timeout before giving up
 # on it: the backend's timeout error is more precise, so let it arrive first.
 WAIT_MARGIN = timedelta(seconds=2)
+
+# Collectives whose Gloo work tolerates a bounded wait(timeout) that expires:
+# the work goes on and a later wait sees its result. Point-to-point works
+# (and Gloo's reduce_scatter) must be waited exactly once, so they are
+# watched from a thread instead.
+SLICED_WAIT_OPS = frozenset({
+    "allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather",
+    "all_gather_single", "allgather_coalesced", "gather", "scatter", "all_to_all_single",
+    "alltoall", "barrier",
+})
+# How often a sliced wait looks for an abort: the bound on abort latency.
+WAIT_SLICE = timedelta(milliseconds=50)
 
 
 def _seconds(timeout: timedelta | float | None) -> float | None:
@@ -268,18 +281,12 @@ class FtWork(dist._Work):
                 group's timeout plus a margin).
             CommunicationError: the backend reported a failure.
         """
-        if not self._watching and self._inner.is_completed():
-            # Fast path for work that finished before anyone waited.
-            try:
-                self._inner.wait()
-            except Exception as exc:
-                raise self._fail(exc) from exc
-            self._run_post()
-            return True
-        self._watch()
         limit = _seconds(timeout)
         if limit is None:
             limit = (self._gen.timeout + WAIT_MARGIN).total_seconds()
+        if not self._watching and (self._op in SLICED_WAIT_OPS or self._inner.is_completed()):
+            return self._sliced_wait(limit)
+        self._watch()
         if not self._event.wait(limit):
             raise CollectiveTimeoutError(
                 f"{self._gen.description}: {self._op} did not complete within {limit:.1f}s"
@@ -287,6 +294,30 @@ class FtWork(dist._Work):
         assert self._outcome is not None
         if self._outcome[1] is not None:
             raise self._outcome[1]
+        return True
+
+    def _sliced_wait(self, limit: float) -> bool:
+        # Waiting inside the backend (GIL released) in bounded slices costs no
+        # Python callback per op; between slices we look for an abort.
+        deadline = time.monotonic() + limit
+        inner = self._inner
+        while True:
+            try:
+                inner.wait(WAIT_SLICE)
+                break
+            except Exception as exc:
+                if inner.is_completed():
+                    raise self._fail(exc) from exc
+            if self._gen.error is not None:
+                raise self._gen.error
+            if time.monotonic() > deadline:
+                raise CollectiveTimeoutError(
+                    f"{self._gen.description}: {self._op} did not complete within {limit:.1f}s"
+                )
+        if self._gen.error is not None and self._outcome is None:
+            # Completed, but on a backend that was torn down meanwhile.
+            raise self._gen.error
+        self._run_post()
         return True
 
     def get_future(self) -> torch.futures.Future:

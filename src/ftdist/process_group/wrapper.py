@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup as BaseProcessGroup
 
 from ftdist.errors import ProcessGroupAbortedError
-from ftdist.process_group._store import create_store_client
+from ftdist.process_group._store import create_store_client, forget_store_client
 from ftdist.process_group.backends import create_gloo_backend, create_nccl_backend
 from ftdist.process_group.base import BACKEND_NAME, Post, ProcessGroup
 from ftdist.process_group.work import WAIT_MARGIN, FtWork, Generation, _DummyWork
@@ -76,7 +76,10 @@ class _Graveyard:
         with self._lock:
             expired = [b for d, b in self._graves if d <= now]
             self._graves = [(d, b) for d, b in self._graves if d > now]
-        del expired  # destructors run here, on idle backends
+        if expired:
+            # Destroying an idle Gloo backend takes ~20 ms (it joins its
+            # threads, without the GIL): keep it off the configure path.
+            threading.Thread(target=expired.clear, name="ftdist-pg-sweep", daemon=True).start()
 
     def __len__(self) -> int:
         return len(self._graves)
@@ -94,9 +97,12 @@ class _WorkList:
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self._works)
 
-    def wait(self) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
         for w in self._works:
-            w.wait()
+            if timeout is None:
+                w.wait()
+            else:
+                w.wait(timeout)
         return True
 
     def get_future(self) -> torch.futures.Future:
@@ -198,10 +204,11 @@ class ProcessGroupWrapper(ProcessGroup):
                 raise TypeError("this wrapper wraps a plain torch group, which cannot be reconfigured")
             self._teardown("reconfigured")
             self._set_topology(rank, world_size)
-            store = create_store_client(store_addr, timeout=self._timeout)
             try:
+                store = create_store_client(store_addr, timeout=self._timeout)
                 backend = self._create_pg(store, rank, world_size)
             except Exception as exc:
+                forget_store_client(store_addr)
                 raise RuntimeError(
                     f"{type(self).__name__}.configure({store_addr!r}, rank={rank}, "
                     f"world_size={world_size}) failed: {exc}"
