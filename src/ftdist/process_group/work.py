@@ -305,9 +305,15 @@ class FtWork(dist._Work):
             try:
                 inner.wait(WAIT_SLICE)
                 break
-            except Exception as exc:
+            except Exception:
                 if inner.is_completed():
-                    raise self._fail(exc) from exc
+                    # It may have completed just as the slice ran out: the
+                    # unbounded wait returns its real result or error.
+                    try:
+                        inner.wait()
+                    except Exception as exc:
+                        raise self._fail(exc) from exc
+                    break
             if self._gen.error is not None:
                 raise self._gen.error
             if time.monotonic() > deadline:
