@@ -33,6 +33,15 @@ test: lint
 
 bench: setup
 	$(PY) bench/process_group.py
+	$(PY) bench/lighthouse.py
+
+# Regenerates the committed protobuf modules from coordination/proto.
+proto: setup
+	$(PY) -m grpc_tools.protoc -I src/ftdist/coordination/proto \
+		--python_out=src/ftdist/coordination/_proto \
+		--pyi_out=src/ftdist/coordination/_proto \
+		src/ftdist/coordination/proto/torchft.proto \
+		src/ftdist/coordination/proto/ftdist.proto
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -173,6 +173,7 @@ class Ranks:
     _procs: list[Any] = field(default_factory=list, init=False)
     _conns: list[mpc.Connection] = field(default_factory=list, init=False)
     _store: Any = field(default=None, init=False)
+    _prefix: str = field(default="", init=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -186,24 +187,49 @@ class Ranks:
             "127.0.0.1", 0, is_master=True, wait_for_workers=False,
             timeout=timedelta(seconds=60),
         )
-        prefix = f"test/{uuid.uuid4().hex[:12]}"
-        ctx = _context()
+        self._prefix = f"test/{uuid.uuid4().hex[:12]}"
         for rank in range(self.world_size):
-            parent_end, child_end = ctx.Pipe(duplex=False)
-            rctx = RankContext(rank, self.world_size, "127.0.0.1", self._store.port, prefix)
-            proc = ctx.Process(  # type: ignore[attr-defined]
-                target=_child_main,
-                args=(self.fn, rctx, self.args, self.kwargs, dict(self.env), child_end),
-                name=f"ftdist-rank-{rank}",
-                # Not daemonic: a rank may start children of its own (Baby
-                # groups). The harness kills every rank itself.
-                daemon=False,
-            )
-            proc.start()
-            child_end.close()
+            proc, conn = self._spawn(rank, self.args, self.kwargs)
             self._procs.append(proc)
-            self._conns.append(parent_end)
+            self._conns.append(conn)
         return self
+
+    def _spawn(self, rank: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+               ) -> tuple[Any, mpc.Connection]:
+        ctx = _context()
+        parent_end, child_end = ctx.Pipe(duplex=False)
+        rctx = RankContext(rank, self.world_size, "127.0.0.1", self._store.port, self._prefix)
+        proc = ctx.Process(  # type: ignore[attr-defined]
+            target=_child_main,
+            args=(self.fn, rctx, args, kwargs, dict(self.env), child_end),
+            name=f"ftdist-rank-{rank}",
+            # Not daemonic: a rank may start children of its own (Baby
+            # groups). The harness kills every rank itself.
+            daemon=False,
+        )
+        proc.start()
+        child_end.close()
+        return proc, parent_end
+
+    def restart(self, rank: int, *args: Any, **kwargs: Any) -> None:
+        """Start a new process for ``rank`` (its previous one must have exited).
+
+        The new process runs ``fn(ctx, *args, **kwargs)`` with the same
+        context (same store and prefix); its outcome replaces the old one's.
+
+        Raises:
+            RuntimeError: the rank's previous process is still running.
+        """
+        old = self._procs[rank]
+        old.join(timeout=5)
+        if old.exitcode is None:
+            raise RuntimeError(f"rank {rank} is still running; kill it before restarting")
+        self._conns[rank].close()
+        self._procs[rank], self._conns[rank] = self._spawn(rank, args, kwargs)
+
+    def exitcode(self, rank: int) -> int | None:
+        """The rank's current process exit code (None while running)."""
+        return self._procs[rank].exitcode
 
     @property
     def pids(self) -> list[int]:

@@ -100,6 +100,13 @@ class HTTPTransport(CheckpointTransport[T]):
         class Handler(BaseHTTPRequestHandler):
             timeout = transport._timeout.total_seconds()
 
+            def setup(self) -> None:
+                super().setup()
+                # The stream starts with small writes (HTTP headers, stream
+                # header); with Nagle on, each waits for the peer's delayed
+                # ACK (40-200 ms on loopback).
+                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
             def log_message(self, format: str, *args: Any) -> None:
                 logger.debug("checkpoint server: " + format, *args)
 
@@ -136,8 +143,18 @@ class HTTPTransport(CheckpointTransport[T]):
             req.send_header("Content-Type", "application/octet-stream")
             req.send_header("Content-Length", str(_wire.stream_size(header, tensors)))
             req.end_headers()
+            small = bytearray()
             for buf in _wire.chunks(header, tensors):
+                # Coalesce small pieces into one write; stream big ones as is.
+                if len(buf) < 65536:
+                    small += buf
+                    continue
+                if small:
+                    req.wfile.write(small)
+                    small = bytearray()
                 req.wfile.write(buf)
+            if small:
+                req.wfile.write(small)
         except (BrokenPipeError, ConnectionResetError):
             logger.warning("a peer disconnected while fetching the checkpoint of step %d", step)
         finally:
@@ -188,6 +205,8 @@ class HTTPTransport(CheckpointTransport[T]):
         conn = http.client.HTTPConnection(parts.hostname or "", parts.port,
                                           timeout=timeout.total_seconds())
         try:
+            conn.connect()
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.request("GET", parts.path)
             resp = conn.getresponse()
             if resp.status != 200:

@@ -30,11 +30,16 @@ from typing import Protocol
 class MemberLike(Protocol):
     """What the rule reads of a quorum member."""
 
-    replica_id: str
-    address: str
-    store_address: str
-    step: int
-    commit_failures: int
+    @property
+    def replica_id(self) -> str: ...
+    @property
+    def address(self) -> str: ...
+    @property
+    def store_address(self) -> str: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def commit_failures(self) -> int: ...
 
 
 @dataclass
@@ -124,3 +129,47 @@ def compute_quorum_results(replica_id: str, group_rank: int, quorum_id: int,
         commit_failures=max(m.commit_failures for m in ordered),
         replica_ids=ids,
     )
+
+
+class _HasData(Protocol):
+    @property
+    def replica_id(self) -> str: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def data(self) -> dict | None: ...
+
+
+def find_divergence(members: Sequence[_HasData]) -> str | None:
+    """Compare the state fingerprints members attached to their quorum requests.
+
+    Members at the same step must hold the same state: for every group rank
+    and every part they both fingerprinted, the values must match. Members
+    attach fingerprints (in ``data["fingerprint"]``, by group rank, then part
+    name) after a reconfigure, so this catches a heal that left a replica
+    different (a stale learning rate, a missed buffer) at once, instead of
+    letting replicas drift apart.
+
+    Returns:
+        None if all agree, else a message naming what differs and where.
+    """
+    by_step: dict[int, list[tuple[str, dict]]] = {}
+    for m in members:
+        fp = (m.data or {}).get("fingerprint") if isinstance(m.data, dict) else None
+        if fp:
+            by_step.setdefault(m.step, []).append((m.replica_id, fp))
+    problems = []
+    for step, reports in sorted(by_step.items()):
+        if len(reports) < 2:
+            continue
+        for group_rank in sorted(set.intersection(*(set(fp) for _, fp in reports))):
+            parts = set.intersection(*(set(fp[group_rank]) for _, fp in reports))
+            for part in sorted(parts):
+                values = {rid: fp[group_rank][part] for rid, fp in reports}
+                if len(set(values.values())) > 1:
+                    seen = ", ".join(f"{rid}: {v:#010x}" for rid, v in sorted(values.items()))
+                    problems.append(f"'{part}' of group rank {group_rank} at step {step} "
+                                    f"({seen})")
+    if not problems:
+        return None
+    return "replica state diverged after recovery: " + "; ".join(problems)

@@ -320,9 +320,8 @@ class FtWork(dist._Work):
                 raise CollectiveTimeoutError(
                     f"{self._gen.description}: {self._op} did not complete within {limit:.1f}s"
                 )
-        if self._gen.error is not None and self._outcome is None:
-            # Completed, but on a backend that was torn down meanwhile.
-            raise self._gen.error
+        # A result that completed is valid even if the group was torn down
+        # right after: the collective finished on every rank.
         self._run_post()
         return True
 

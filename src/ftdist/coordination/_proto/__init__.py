@@ -1,0 +1,1 @@
+"""Generated protobuf modules (``make proto`` rewrites every file here but this one)."""

@@ -1,0 +1,44 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EVENT_KIND_UNSPECIFIED: _ClassVar[EventKind]
+    SUBSCRIBED: _ClassVar[EventKind]
+    QUORUM_FORMED: _ClassVar[EventKind]
+    MEMBER_FAILED: _ClassVar[EventKind]
+EVENT_KIND_UNSPECIFIED: EventKind
+SUBSCRIBED: EventKind
+QUORUM_FORMED: EventKind
+MEMBER_FAILED: EventKind
+
+class SubscribeRequest(_message.Message):
+    __slots__ = ("replica_id",)
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    def __init__(self, replica_id: _Optional[str] = ...) -> None: ...
+
+class LighthouseEvent(_message.Message):
+    __slots__ = ("kind", "quorum_id", "replica_id", "reason", "time", "replica_ids")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
+    kind: EventKind
+    quorum_id: int
+    replica_id: str
+    reason: str
+    time: _timestamp_pb2.Timestamp
+    replica_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., quorum_id: _Optional[int] = ..., replica_id: _Optional[str] = ..., reason: _Optional[str] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., replica_ids: _Optional[_Iterable[str]] = ...) -> None: ...

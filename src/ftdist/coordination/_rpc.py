@@ -1,0 +1,241 @@
+"""
+gRPC plumbing shared by the coordination clients and servers
+============================================================
+
+Address parsing, channel and server options, the mapping from gRPC status to
+Python exceptions, and the method paths of both protocols. Method paths are
+spelled out instead of using ``*_pb2_grpc`` stubs: the stubs pin the exact
+grpcio version that generated them, and the servers need raw-bytes handlers
+(to serialize one quorum once for all its members) that stubs cannot express.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from datetime import timedelta
+
+import grpc
+
+from ftdist.coordination._proto import torchft_pb2
+from ftdist.errors import CoordinationError, CoordinationTimeoutError
+
+__all__ = [
+    "EVENTS_SUBSCRIBE",
+    "LIGHTHOUSE_HEARTBEAT",
+    "LIGHTHOUSE_QUORUM",
+    "MANAGER_CHECKPOINT_METADATA",
+    "MANAGER_KILL",
+    "MANAGER_QUORUM",
+    "MANAGER_SHOULD_COMMIT",
+    "client_channel_options",
+    "grpc_target",
+    "kill_manager",
+    "map_rpc_error",
+    "server_options",
+    "to_seconds",
+]
+
+LIGHTHOUSE_SERVICE = "torchft.LighthouseService"
+LIGHTHOUSE_QUORUM = f"/{LIGHTHOUSE_SERVICE}/Quorum"
+LIGHTHOUSE_HEARTBEAT = f"/{LIGHTHOUSE_SERVICE}/Heartbeat"
+MANAGER_SERVICE = "torchft.ManagerService"
+MANAGER_QUORUM = f"/{MANAGER_SERVICE}/Quorum"
+MANAGER_CHECKPOINT_METADATA = f"/{MANAGER_SERVICE}/CheckpointMetadata"
+MANAGER_SHOULD_COMMIT = f"/{MANAGER_SERVICE}/ShouldCommit"
+MANAGER_KILL = f"/{MANAGER_SERVICE}/Kill"
+EVENTS_SERVICE = "ftdist.LighthouseEvents"
+EVENTS_SUBSCRIBE = f"/{EVENTS_SERVICE}/Subscribe"
+
+# A quorum of 1024 members with user data can be several MiB.
+_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+
+def grpc_target(address: str) -> str:
+    """Turn ``host:port`` or ``http://host:port`` into a gRPC channel target.
+
+    Args:
+        address: the server address; ``[v6]:port`` works too, and a trailing
+            ``/`` is ignored.
+
+    Returns:
+        ``host:port``.
+
+    Raises:
+        ValueError: for an empty address, an ``https://`` address (these
+            servers speak plaintext only) or one without a port.
+    """
+    target = address.strip()
+    if target.startswith("https://"):
+        raise ValueError(f"address {address!r}: TLS is not supported; use http://host:port.")
+    if target.startswith("http://"):
+        target = target[len("http://") :]
+    target = target.rstrip("/")
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"address {address!r} must be host:port or http://host:port.")
+    return target
+
+
+def to_seconds(name: str, value: timedelta | float | int) -> float:
+    """Read a duration given as a timedelta or as seconds.
+
+    Args:
+        name: the parameter's name, for the error message.
+        value: the duration.
+
+    Returns:
+        The duration in seconds.
+
+    Raises:
+        ValueError: if it is not positive.
+        TypeError: if it is neither a timedelta nor a number.
+    """
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise TypeError(f"{name} must be a timedelta or seconds, got {type(value).__name__}.")
+    if seconds <= 0:
+        raise ValueError(f"{name} ({value}) must be positive.")
+    return seconds
+
+
+def client_channel_options() -> list[tuple[str, int]]:
+    """Options every client channel uses.
+
+    Reconnects back off from 100 ms to 10 s (torchft's client uses the same
+    bounds); keepalive pings every 60 s with a 20 s timeout notice a server
+    that vanished without closing the connection.
+
+    Returns:
+        gRPC channel options.
+
+    Raises:
+        Nothing.
+    """
+    return [
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 10_000),
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+    ]
+
+
+def server_options() -> list[tuple[str, int]]:
+    """Options every server uses.
+
+    ``so_reuseport`` is off so that binding a port another process holds
+    fails loudly instead of silently sharing it. Clients may ping every 10 s
+    (torchft's ping every 60 s; gRPC's default would reject that), and the
+    server pings idle clients so a vanished one frees its parked requests.
+    gRPC's admission control starts cancelling new calls at random once 1000
+    are waiting for the handler loop; a round of 1024 replica groups arrives
+    all at once by design, so the limits are raised far above any job size.
+
+    Returns:
+        gRPC server options.
+
+    Raises:
+        Nothing.
+    """
+    return [
+        ("grpc.so_reuseport", 0),
+        ("grpc.server.max_pending_requests", 1 << 16),
+        ("grpc.server.max_pending_requests_hard_limit", 1 << 17),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.max_receive_message_length", 4 * 1024 * 1024),
+        ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+    ]
+
+
+def map_rpc_error(exc: grpc.RpcError, what: str) -> Exception:
+    """Translate a failed call into the exception the API promises.
+
+    Deadline and cancellation become :class:`CoordinationTimeoutError` (a
+    ``TimeoutError``), everything else :class:`CoordinationError` (a
+    ``RuntimeError``), as torchft's bindings map them. The message keeps the
+    server's own text.
+
+    Args:
+        exc: the error grpc raised.
+        what: what was being done, e.g. "Quorum call to lighthouse at h:1".
+
+    Returns:
+        The exception to raise (``raise map_rpc_error(e, ...) from e``).
+
+    Raises:
+        Nothing: it returns the exception instead.
+    """
+    code = exc.code() if isinstance(exc, grpc.Call) else None
+    details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+    name = code.name if code is not None else "UNKNOWN"
+    if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+        return CoordinationTimeoutError(f"{what} timed out: {name}: {details}")
+    if code is grpc.StatusCode.UNAVAILABLE:
+        return CoordinationError(f"{what} failed, server unavailable: {details}")
+    return CoordinationError(f"{what} failed: {name}: {details}")
+
+
+def kill_manager(address: str, msg: str, timeout: timedelta | float) -> None:
+    """Ask a replica group's ManagerServer to exit, via its ``Kill`` RPC.
+
+    A manager exits inside the call, so a connection that drops after the
+    request was sent counts as success; only failing to connect, or an error
+    status the manager sent back, is an error.
+
+    Args:
+        address: the manager's address (``http://host:port`` or ``host:port``).
+        msg: the reason, which the manager logs.
+        timeout: how long to try to connect and call.
+
+    Raises:
+        ValueError: if the address is malformed.
+        CoordinationError: if the manager cannot be reached or refuses.
+        CoordinationTimeoutError: if the manager does not answer in time.
+    """
+    seconds = to_seconds("timeout", timeout)
+    target = grpc_target(address)
+    deadline = time.monotonic() + seconds
+    with grpc.insecure_channel(target, options=client_channel_options()) as channel:
+        # Connect first, and give up at the first failed attempt: a dead
+        # manager should not keep the dashboard waiting for the whole timeout.
+        states: queue.SimpleQueue[grpc.ChannelConnectivity] = queue.SimpleQueue()
+        channel.subscribe(states.put, try_to_connect=True)
+        try:
+            while True:
+                try:
+                    state = states.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise CoordinationTimeoutError(
+                        f"cannot reach manager at {address} within {seconds:g} s"
+                    ) from None
+                if state is grpc.ChannelConnectivity.READY:
+                    break
+                if state in (
+                    grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+                    grpc.ChannelConnectivity.SHUTDOWN,
+                ):
+                    raise CoordinationError(f"cannot reach manager at {address}")
+        finally:
+            channel.unsubscribe(states.put)
+        call = channel.unary_unary(
+            MANAGER_KILL,
+            request_serializer=torchft_pb2.KillRequest.SerializeToString,
+            response_deserializer=torchft_pb2.KillResponse.FromString,
+        )
+        try:
+            call(torchft_pb2.KillRequest(msg=msg), timeout=max(0.001, deadline - time.monotonic()))
+        except grpc.RpcError as exc:
+            if isinstance(exc, grpc.Call) and exc.code() is grpc.StatusCode.UNAVAILABLE:
+                return  # the manager exited before answering, as intended
+            raise map_rpc_error(exc, f"Kill call to manager at {address}") from exc

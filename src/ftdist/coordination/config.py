@@ -1,0 +1,210 @@
+"""
+Lighthouse configuration
+========================
+
+One frozen :class:`LighthouseConfig` holds every knob of a lighthouse, and
+:func:`resolve_lighthouse_config` is the only place that reads the environment
+for it. Precedence is the usual one: an explicit argument (Python keyword or
+command-line flag) wins over the environment, which wins over the default.
+
+=================================== =============================== ==========
+Field                               Environment variable            Default
+=================================== =============================== ==========
+``bind``                            ``FTDIST_LIGHTHOUSE_BIND``      ``[::]:29510``
+``min_replicas``                    ``FTDIST_LIGHTHOUSE_MIN_REPLICAS`` required
+``join_timeout``                    ``FTDIST_LIGHTHOUSE_JOIN_TIMEOUT_MS`` 100 ms (API), 60 s (CLI)
+``quorum_tick``                     ``FTDIST_LIGHTHOUSE_QUORUM_TICK_MS`` 100 ms
+``heartbeat_timeout``               ``FTDIST_LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS`` 5 s
+``http_port``                       ``FTDIST_LIGHTHOUSE_HTTP_PORT`` 0 (API), 29511 (CLI); -1 = off
+``kill_token``                      ``FTDIST_LIGHTHOUSE_KILL_TOKEN`` none (kill disabled)
+=================================== =============================== ==========
+
+The two join-timeout defaults are torchft's: its Python ``LighthouseServer``
+defaults to 100 ms (tests want quick quorums), its command line to 60 s
+(production wants stragglers to make it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+__all__ = [
+    "API_DEFAULTS",
+    "CLI_DEFAULTS",
+    "ENV_VARS",
+    "LighthouseConfig",
+    "resolve_lighthouse_config",
+]
+
+ENV_VARS: Mapping[str, str] = {
+    "bind": "FTDIST_LIGHTHOUSE_BIND",
+    "min_replicas": "FTDIST_LIGHTHOUSE_MIN_REPLICAS",
+    "join_timeout_ms": "FTDIST_LIGHTHOUSE_JOIN_TIMEOUT_MS",
+    "quorum_tick_ms": "FTDIST_LIGHTHOUSE_QUORUM_TICK_MS",
+    "heartbeat_timeout_ms": "FTDIST_LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS",
+    "http_port": "FTDIST_LIGHTHOUSE_HTTP_PORT",
+    "kill_token": "FTDIST_LIGHTHOUSE_KILL_TOKEN",
+}
+"""Environment variable for each setting."""
+
+API_DEFAULTS: Mapping[str, object] = {
+    "bind": "[::]:29510",
+    "join_timeout_ms": 100,
+    "quorum_tick_ms": 100,
+    "heartbeat_timeout_ms": 5000,
+    "http_port": 0,
+    "kill_token": None,
+}
+"""Defaults of the Python API (torchft's ``LighthouseServer`` defaults)."""
+
+CLI_DEFAULTS: Mapping[str, object] = {
+    **API_DEFAULTS,
+    "join_timeout_ms": 60000,
+    "http_port": 29511,
+}
+"""Defaults of ``ftdist lighthouse`` (torchft's ``torchft_lighthouse`` defaults)."""
+
+_DEFAULT_MAX_DATA_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LighthouseConfig:
+    """Every setting of a lighthouse, validated.
+
+    Attributes:
+        bind: gRPC listen address, ``host:port``; port 0 picks a free port.
+        min_replicas: fewest replica groups a new (non-fast) quorum needs.
+        join_timeout: how long a ready quorum waits for heartbeating
+            replica groups that have not asked yet.
+        quorum_tick: how often the lighthouse re-evaluates the quorum and
+            checks heartbeats, besides on every request.
+        heartbeat_timeout: a replica group silent for this long is dead.
+        http_port: dashboard port on the bind host; 0 picks a free port,
+            None turns the dashboard off.
+        kill_token: shared secret that enables the dashboard's kill action;
+            None disables it.
+        max_data_bytes: largest ``QuorumMember.data`` accepted.
+    """
+
+    bind: str
+    min_replicas: int
+    join_timeout: timedelta
+    quorum_tick: timedelta
+    heartbeat_timeout: timedelta
+    http_port: int | None = 0
+    kill_token: str | None = None
+    max_data_bytes: int = _DEFAULT_MAX_DATA_BYTES
+
+    def __post_init__(self) -> None:
+        """Validate every field.
+
+        Raises:
+            ValueError: naming the first invalid field and its value.
+        """
+        if not self.bind or ":" not in self.bind:
+            raise ValueError(f"bind ({self.bind!r}) must be host:port, e.g. '[::]:29510'.")
+        if self.min_replicas < 1:
+            raise ValueError(f"min_replicas ({self.min_replicas}) must be at least 1.")
+        if self.join_timeout < timedelta(0):
+            raise ValueError(f"join_timeout ({self.join_timeout}) must not be negative.")
+        if self.quorum_tick <= timedelta(0):
+            raise ValueError(f"quorum_tick ({self.quorum_tick}) must be positive.")
+        if self.heartbeat_timeout <= timedelta(0):
+            raise ValueError(f"heartbeat_timeout ({self.heartbeat_timeout}) must be positive.")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port ({self.http_port}) must be in 0..65535 or None.")
+        if self.kill_token is not None and not self.kill_token:
+            raise ValueError("kill_token must be None (kill disabled) or a non-empty string.")
+        if self.max_data_bytes < 0:
+            raise ValueError(f"max_data_bytes ({self.max_data_bytes}) must not be negative.")
+
+
+def _duration(name: str, value: object) -> timedelta:
+    if isinstance(value, timedelta):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{name} ({value!r}) must be milliseconds or a timedelta.")
+    try:
+        return timedelta(milliseconds=float(value))
+    except ValueError as exc:
+        raise ValueError(f"{name} ({value!r}) must be a number of milliseconds.") from exc
+
+
+def _integer(name: str, value: object) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} ({value!r}) must be an integer.")
+    if isinstance(value, int):
+        return value
+    try:
+        return int(str(value))
+    except ValueError as exc:
+        raise ValueError(f"{name} ({value!r}) must be an integer.") from exc
+
+
+def resolve_lighthouse_config(
+    *,
+    defaults: Mapping[str, object] = API_DEFAULTS,
+    environ: Mapping[str, str] | None = None,
+    **explicit: object,
+) -> LighthouseConfig:
+    """Build a config from explicit values, then the environment, then defaults.
+
+    Args:
+        defaults: defaults for the settings not given explicitly nor in the
+            environment (:data:`API_DEFAULTS` or :data:`CLI_DEFAULTS`).
+        environ: the environment to read; ``os.environ`` when None.
+        **explicit: settings by name (``bind``, ``min_replicas``,
+            ``join_timeout_ms``, ``quorum_tick_ms``, ``heartbeat_timeout_ms``,
+            ``http_port``, ``kill_token``, ``max_data_bytes``); a value of None
+            means "not given". Durations are milliseconds or timedeltas. An
+            ``http_port`` below 0 turns the dashboard off.
+
+    Returns:
+        The validated config.
+
+    Raises:
+        TypeError: on an unknown setting name.
+        ValueError: when a value (explicit or from the environment) is invalid
+            or ``min_replicas`` is given nowhere.
+    """
+    env = os.environ if environ is None else environ
+    known = {*ENV_VARS, "max_data_bytes"}
+    unknown = set(explicit) - known
+    if unknown:
+        raise TypeError(f"unknown lighthouse settings: {sorted(unknown)}")
+
+    def pick(name: str) -> object:
+        value = explicit.get(name)
+        if value is not None:
+            return value
+        var = ENV_VARS.get(name)
+        if var is not None and env.get(var, "") != "":
+            return env[var]
+        return defaults.get(name)
+
+    min_replicas = pick("min_replicas")
+    if min_replicas is None:
+        raise ValueError(
+            f"min_replicas is required: pass it or set {ENV_VARS['min_replicas']}."
+        )
+    http_port_raw = pick("http_port")
+    http_port = None if http_port_raw is None else _integer("http_port", http_port_raw)
+    if http_port is not None and http_port < 0:
+        http_port = None
+    kill_token = pick("kill_token")
+    max_data = pick("max_data_bytes")
+    return LighthouseConfig(
+        bind=str(pick("bind")),
+        min_replicas=_integer("min_replicas", min_replicas),
+        join_timeout=_duration("join_timeout_ms", pick("join_timeout_ms")),
+        quorum_tick=_duration("quorum_tick_ms", pick("quorum_tick_ms")),
+        heartbeat_timeout=_duration("heartbeat_timeout_ms", pick("heartbeat_timeout_ms")),
+        http_port=http_port,
+        kill_token=None if kill_token is None else str(kill_token),
+        max_data_bytes=(
+            _DEFAULT_MAX_DATA_BYTES if max_data is None else _integer("max_data_bytes", max_data)
+        ),
+    )

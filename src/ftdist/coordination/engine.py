@@ -1,0 +1,473 @@
+"""
+Lighthouse engine
+=================
+
+The live state of a lighthouse and everything it does over time, with no
+networking: it records heartbeats, parks quorum requests until a quorum that
+includes them forms, runs the pure rule of :mod:`ftdist.coordination.quorum`
+and acts on its decisions, notices dead members and tells subscribers, and
+keeps the numbers the dashboard shows.
+
+Invariants:
+
+* It is used from one thread (the lighthouse's server thread); no locks.
+* A parked request is answered only with a quorum that contains its
+  requester. A requester left out (unhealthy, or a joiner during
+  ``shrink_only``) is parked again for the next round with its join time
+  reset, as torchft does.
+* A quorum is serialized once, and that one response goes to every member.
+
+Performance: torchft runs the full rule on every request, which is O(N) per
+request and O(N^2) per round. Here a request runs it only when its arrival can
+have made a quorum possible (every previous member is back, or there are
+enough participants for the slow path); the periodic tick catches what only
+the passage of time changes (join timeout, expired heartbeats). The decisions
+are the same; only evaluations that cannot succeed are skipped.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from ftdist.coordination._proto import ftdist_pb2, torchft_pb2
+from ftdist.coordination.quorum import (
+    LighthouseState,
+    Participant,
+    QuorumDecision,
+    QuorumSettings,
+    compute_quorum,
+    next_quorum_id,
+)
+
+__all__ = ["LATENCY_BUCKETS_S", "FormedQuorum", "LighthouseEngine", "Subscriber"]
+
+logger = logging.getLogger("ftdist.coordination.lighthouse")
+
+Member = torchft_pb2.QuorumMember
+
+LATENCY_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+"""Upper bounds of the quorum latency histogram buckets, in seconds."""
+
+# Heartbeats of replicas silent this many heartbeat timeouts are forgotten, so
+# a long job whose replica ids change on every restart (torchft appends a
+# uuid) does not grow the table forever. Such entries cannot change a
+# decision: they are not healthy either way.
+_FORGET_AFTER_TIMEOUTS = 12.0
+# A not-ready reason is logged at INFO only once the round has waited this
+# long; partial rounds are normal and would flood the log.
+_STUCK_LOG_AFTER_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class FormedQuorum:
+    """A quorum as the engine hands it out.
+
+    Attributes:
+        quorum: the protobuf quorum.
+        member_ids: replica ids in order.
+        member_set: the same ids as a set, for O(1) membership checks.
+        response: the serialized ``LighthouseQuorumResponse`` every member gets.
+        formed_at: engine-clock time of formation.
+    """
+
+    quorum: torchft_pb2.Quorum
+    member_ids: tuple[str, ...]
+    member_set: frozenset[str]
+    response: bytes
+    formed_at: float
+
+
+Deliver = Callable[[FormedQuorum | None], None]
+"""Answers a parked request: with its quorum, or None if the lighthouse closes."""
+
+
+class Subscriber(Protocol):
+    """Receives serialized ``ftdist.LighthouseEvent`` messages."""
+
+    def send(self, payload: bytes) -> None:
+        """Deliver one event.
+
+        Raises:
+            Nothing: a subscriber that cannot keep up ends its own stream.
+        """
+
+    def close(self) -> None:
+        """The lighthouse is closing; end the stream.
+
+        Raises:
+            Nothing.
+        """
+
+
+class _Waiter:
+    """A parked quorum request."""
+
+    __slots__ = ("deliver", "entry", "member")
+
+    def __init__(self, member: Member, deliver: Deliver) -> None:
+        self.member = member
+        self.deliver = deliver
+        self.entry: Participant[Member] | None = None
+
+
+class _Histogram:
+    """Counts per bucket, Prometheus style (cumulated when rendered)."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+
+class LighthouseEngine:
+    """Quorum state machine of one lighthouse. Use it from one thread.
+
+    Args:
+        settings: the quorum rule's knobs.
+        clock: monotonic time source in seconds (tests may inject one).
+        wall_clock: wall time source in seconds since the epoch.
+    """
+
+    def __init__(
+        self,
+        settings: QuorumSettings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self.state: LighthouseState[Member] = LighthouseState()
+        self.current: FormedQuorum | None = None
+        # Parked requests by replica id; almost always one each, two while a
+        # manager's retry overlaps its timed-out call.
+        self._waiters: dict[str, list[_Waiter]] = {}
+        self._round_started: float | None = None
+        self._prev_set: frozenset[str] = frozenset()
+        self._num_prev_present = 0
+        self._expired_at_tick = 0
+        self._failed_reported: set[str] = set()
+        self._subscribers: set[Subscriber] = set()
+        self._last_reason = ""
+        self.closed = False
+        self.started_at = clock()
+        self.num_quorums = 0
+        self.num_member_failures = 0
+        self.latency = _Histogram(LATENCY_BUCKETS_S)
+
+    def now(self) -> float:
+        """The engine's clock, in seconds.
+
+        Raises:
+            Nothing.
+        """
+        return self._clock()
+
+    # -- requests ---------------------------------------------------------
+
+    def heartbeat(self, replica_id: str) -> None:
+        """Record a heartbeat from ``replica_id``.
+
+        Raises:
+            Nothing.
+        """
+        self.state.heartbeats[replica_id] = self._clock()
+
+    def join(self, member: Member, deliver: Deliver) -> object:
+        """Park a quorum request until a quorum containing its requester forms.
+
+        ``deliver`` is called exactly once, possibly before this returns: with
+        that quorum, or with None if the lighthouse closes first. Nothing is
+        delivered after :meth:`withdraw`.
+
+        Args:
+            member: the validated requester.
+            deliver: how to answer it.
+
+        Returns:
+            A ticket for :meth:`withdraw`.
+
+        Raises:
+            Nothing; the rule is total and ``deliver`` must not raise.
+        """
+        waiter = _Waiter(member, deliver)
+        if self.closed:
+            deliver(None)
+            return waiter
+        now = self._clock()
+        self.state.heartbeats[member.replica_id] = now
+        self._park(waiter, now)
+        self._on_arrival(now)
+        return waiter
+
+    def withdraw(self, ticket: object) -> None:
+        """Forget a parked request whose caller went away, so no quorum
+        counts a requester that cannot hear the answer.
+
+        Raises:
+            Nothing; unknown or answered tickets are ignored.
+        """
+        if not isinstance(ticket, _Waiter):
+            return
+        replica_id = ticket.member.replica_id
+        parked = self._waiters.get(replica_id)
+        if parked is None or ticket not in parked:
+            return
+        parked.remove(ticket)
+        if not parked:
+            del self._waiters[replica_id]
+        participants = self.state.participants
+        if ticket.entry is None or participants.get(replica_id) is not ticket.entry:
+            return  # a newer request from the same replica is the one counted
+        older = parked[-1].entry if parked else None
+        if older is not None:
+            # An older request of the same replica still waits: count it again.
+            participants[replica_id] = older
+            return
+        del participants[replica_id]
+        if replica_id in self._prev_set:
+            self._num_prev_present -= 1
+        if not participants:
+            self._round_started = None
+
+    def _park(self, waiter: _Waiter, now: float) -> None:
+        participants = self.state.participants
+        replica_id = waiter.member.replica_id
+        if replica_id not in participants:
+            if replica_id in self._prev_set:
+                self._num_prev_present += 1
+            if self._round_started is None:
+                self._round_started = now
+        waiter.entry = Participant(joined=now, member=waiter.member)
+        participants[replica_id] = waiter.entry
+        self._waiters.setdefault(replica_id, []).append(waiter)
+
+    def _on_arrival(self, now: float) -> None:
+        num = len(self.state.participants)
+        prev = self.state.prev_member_ids
+        if prev is None or self._num_prev_present != len(prev):
+            # No fast quorum possible; check cheap necessary conditions of the
+            # slow path. The healthy count is estimated from the last tick:
+            # an overestimate (a replica died since) only delays the quorum to
+            # the next tick, which is when torchft would notice too.
+            if num < self.settings.min_replicas:
+                return
+            num_healthy = len(self.state.heartbeats) - self._expired_at_tick
+            if num <= num_healthy // 2:
+                return
+            started = self._round_started if self._round_started is not None else now
+            if num < num_healthy and now - started < self.settings.join_timeout_s:
+                return
+        self._evaluate(now)
+
+    # -- deciding and acting ----------------------------------------------
+
+    def _evaluate(self, now: float) -> QuorumDecision[Member]:
+        decision = compute_quorum(now, self.state, self.settings)
+        if decision.members is not None:
+            self._form(decision.members, now, decision.reason)
+        return decision
+
+    def _form(self, members: list[Member], now: float, reason: str) -> None:
+        state = self.state
+        id_decision = next_quorum_id(state.quorum_id, state.prev_member_ids, members)
+        quorum = torchft_pb2.Quorum(quorum_id=id_decision.quorum_id, participants=members)
+        quorum.created.FromNanoseconds(int(self._wall_clock() * 1e9))
+        response = torchft_pb2.LighthouseQuorumResponse(quorum=quorum).SerializeToString()
+        member_ids = tuple(m.replica_id for m in members)
+        formed = FormedQuorum(quorum, member_ids, frozenset(member_ids), response, now)
+
+        id_changed = self.current is None or id_decision.quorum_id != state.quorum_id
+        if id_decision.reason is not None:
+            shown = ", ".join(member_ids[:16]) + (" ..." if len(member_ids) > 16 else "")
+            logger.info("%s", id_decision.reason)
+            logger.info(
+                "Quorum %d: %d members [%s] (%s)",
+                id_decision.quorum_id, len(member_ids), shown, reason,
+            )
+        else:
+            logger.debug("Quorum %d formed again (%s)", id_decision.quorum_id, reason)
+        if self._round_started is not None:
+            self.latency.observe(max(0.0, now - self._round_started))
+        self.num_quorums += 1
+
+        state.quorum_id = id_decision.quorum_id
+        state.prev_member_ids = member_ids
+        state.participants.clear()
+        self._prev_set = formed.member_set
+        self._num_prev_present = 0
+        self._round_started = None
+        self._last_reason = reason
+        self.current = formed
+        if id_changed:
+            self._failed_reported.clear()
+            self._publish(ftdist_pb2.QUORUM_FORMED, replica_ids=member_ids, reason=reason)
+
+        waiters, self._waiters = self._waiters, {}
+        for replica_id, parked in waiters.items():
+            for waiter in parked:
+                if replica_id in formed.member_set:
+                    waiter.deliver(formed)
+                else:
+                    # Left out: wait for the next round like a new request
+                    # (evaluated at the next tick or arrival, as in torchft).
+                    self._park(waiter, now)
+
+    def tick(self) -> QuorumDecision[Member] | None:
+        """Re-evaluate the quorum, expire heartbeats and report dead members.
+
+        Returns:
+            The rule's decision when there were participants, else None.
+
+        Raises:
+            Nothing.
+        """
+        if self.closed:
+            return None
+        now = self._clock()
+        heartbeats = self.state.heartbeats
+        timeout = self.settings.heartbeat_timeout_s
+        forget_before = now - timeout * _FORGET_AFTER_TIMEOUTS
+        for replica_id in [rid for rid, seen in heartbeats.items() if seen < forget_before]:
+            del heartbeats[replica_id]
+        self._expired_at_tick = sum(1 for seen in heartbeats.values() if now - seen >= timeout)
+        self._report_dead_members(now)
+        if not self.state.participants:
+            return None
+        decision = self._evaluate(now)
+        if not decision.ready and decision.reason != self._last_reason:
+            self._last_reason = decision.reason
+            started = self._round_started
+            stuck = started is not None and now - started >= _STUCK_LOG_AFTER_S
+            logger.log(
+                logging.INFO if stuck else logging.DEBUG, "Quorum status: %s", decision.reason
+            )
+        return decision
+
+    def decide(self) -> QuorumDecision[Member]:
+        """Run the rule now without acting on it (for the dashboard).
+
+        Returns:
+            The decision the next evaluation would make.
+
+        Raises:
+            Nothing.
+        """
+        return compute_quorum(self._clock(), self.state, self.settings)
+
+    def _report_dead_members(self, now: float) -> None:
+        current = self.current
+        if current is None:
+            return
+        timeout = self.settings.heartbeat_timeout_s
+        heartbeats = self.state.heartbeats
+        for replica_id in current.member_ids:
+            if replica_id in self._failed_reported:
+                continue
+            seen = heartbeats.get(replica_id)
+            age = math.inf if seen is None else now - seen
+            if age >= timeout:
+                self._failed_reported.add(replica_id)
+                self.num_member_failures += 1
+                reason = f"no heartbeat for {age:.1f} s (heartbeat timeout {timeout:g} s)"
+                logger.warning(
+                    "Member %s of quorum %d failed: %s",
+                    replica_id, current.quorum.quorum_id, reason,
+                )
+                self._publish(ftdist_pb2.MEMBER_FAILED, replica_id=replica_id, reason=reason)
+
+    # -- failure news -----------------------------------------------------
+
+    def _event(
+        self,
+        kind: ftdist_pb2.EventKind,
+        replica_id: str = "",
+        reason: str = "",
+        replica_ids: tuple[str, ...] = (),
+    ) -> bytes:
+        event = ftdist_pb2.LighthouseEvent(
+            kind=kind,
+            quorum_id=self.state.quorum_id,
+            replica_id=replica_id,
+            reason=reason,
+            replica_ids=replica_ids,
+        )
+        event.time.FromNanoseconds(int(self._wall_clock() * 1e9))
+        return event.SerializeToString()
+
+    def _publish(
+        self,
+        kind: ftdist_pb2.EventKind,
+        replica_id: str = "",
+        reason: str = "",
+        replica_ids: tuple[str, ...] = (),
+    ) -> None:
+        if not self._subscribers:
+            return
+        payload = self._event(kind, replica_id, reason, replica_ids)
+        for subscriber in list(self._subscribers):
+            subscriber.send(payload)
+
+    def subscribe(self, subscriber: Subscriber) -> None:
+        """Start sending events to ``subscriber``, beginning with SUBSCRIBED
+        (which carries the current quorum's members).
+
+        Raises:
+            Nothing; after :meth:`close` the subscriber is closed at once.
+        """
+        if self.closed:
+            subscriber.close()
+            return
+        members = self.current.member_ids if self.current is not None else ()
+        self._subscribers.add(subscriber)
+        subscriber.send(self._event(ftdist_pb2.SUBSCRIBED, replica_ids=members))
+
+    def unsubscribe(self, subscriber: Subscriber) -> None:
+        """Stop sending events to ``subscriber``.
+
+        Raises:
+            Nothing.
+        """
+        self._subscribers.discard(subscriber)
+
+    @property
+    def num_subscribers(self) -> int:
+        """How many event streams are open.
+
+        Raises:
+            Nothing.
+        """
+        return len(self._subscribers)
+
+    def close(self) -> None:
+        """Answer every parked request with None and close every stream.
+
+        Idempotent; later requests are answered with None at once.
+
+        Raises:
+            Nothing.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        waiters, self._waiters = self._waiters, {}
+        self.state.participants.clear()
+        for parked in waiters.values():
+            for waiter in parked:
+                waiter.deliver(None)
+        subscribers, self._subscribers = self._subscribers, set()
+        for subscriber in subscribers:
+            subscriber.close()

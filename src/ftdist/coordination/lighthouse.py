@@ -1,0 +1,398 @@
+"""
+Lighthouse server
+=================
+
+The one server a fault-tolerant job shares. Every replica group heartbeats it
+and, at each step, asks it which replica groups train together (the quorum).
+
+:class:`LighthouseServer` serves, on one gRPC port:
+
+* ``torchft.LighthouseService`` (``Quorum``, ``Heartbeat``), wire-compatible
+  with torchft, so torchft managers can use it and ftdist managers can use
+  torchft's lighthouse;
+* ``ftdist.LighthouseEvents`` (``Subscribe``): a stream of failure news. When
+  a member of the current quorum stops heartbeating, every subscriber hears it
+  within one quorum tick of the heartbeat timeout, without waiting for its
+  next quorum call. torchft clients never call it.
+
+and, on a second port, the dashboard of :mod:`ftdist.coordination.dashboard`.
+
+Deviation from torchft: torchft serves gRPC and the dashboard on the same port;
+grpcio owns its listening socket, so the dashboard has its own port
+(``http_port``) here.
+
+The gRPC callbacks, the periodic tick and the engine
+(:mod:`ftdist.coordination.engine`) all run on one thread named
+``ftdist-lighthouse`` (:mod:`ftdist.coordination._grpc_server`), so the state
+needs no locks; the dashboard's threads read it by scheduling work there. The constructor returns once the server is serving, and
+:meth:`LighthouseServer.shutdown` stops and joins everything it started.
+Requests that fail validation get ``INVALID_ARGUMENT`` naming the field, and
+never disturb the other clients.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import socket
+import threading
+from datetime import timedelta
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from ftdist.coordination import _rpc
+from ftdist.coordination._grpc_server import CompletionQueueServer, RpcCall
+from ftdist.coordination._proto import ftdist_pb2, torchft_pb2
+from ftdist.coordination.config import LighthouseConfig, resolve_lighthouse_config
+from ftdist.coordination.dashboard import DashboardServer, build_status
+from ftdist.coordination.engine import FormedQuorum, LighthouseEngine
+from ftdist.coordination.quorum import QuorumSettings
+
+__all__ = ["LighthouseServer"]
+
+logger = logging.getLogger("ftdist.coordination.lighthouse")
+
+_MAX_FIELD_BYTES = 4096
+_MAX_HANDLES_BYTES = 1024 * 1024
+_SHUTDOWN_GRACE_S = 1.0
+# A subscriber this far behind has its stream ended rather than grow memory
+# without bound; it can subscribe again.
+_MAX_PENDING_EVENTS = 256
+_CLOSING = "lighthouse is shutting down; retry against its replacement"
+
+
+def _too_long(text: str, limit: int) -> int:
+    """The UTF-8 size of ``text`` if it exceeds ``limit`` bytes, else 0."""
+    # A character is at most 4 bytes; skip encoding when it cannot matter.
+    if len(text) * 4 <= limit:
+        return 0
+    size = len(text.encode())
+    return size if size > limit else 0
+
+
+def _check_member(member: torchft_pb2.QuorumMember, max_data_bytes: int) -> str | None:
+    """Return what is wrong with a quorum requester, or None."""
+    if not member.replica_id:
+        return "requester.replica_id must not be empty"
+    for name, value in (
+        ("replica_id", member.replica_id),
+        ("address", member.address),
+        ("store_address", member.store_address),
+    ):
+        size = _too_long(value, _MAX_FIELD_BYTES)
+        if size:
+            return f"requester.{name} is {size} bytes; the limit is {_MAX_FIELD_BYTES}"
+    if member.step < 0:
+        return f"requester.step must not be negative (got {member.step})"
+    if member.commit_failures < 0:
+        return f"requester.commit_failures must not be negative (got {member.commit_failures})"
+    size = _too_long(member.data, max_data_bytes)
+    if size:
+        return f"requester.data is {size} bytes; the limit is {max_data_bytes}"
+    if member.reconfigure_handles:
+        size = _too_long("".join(member.reconfigure_handles), _MAX_HANDLES_BYTES)
+        if size:
+            return (
+                f"requester.reconfigure_handles is {size} bytes; "
+                f"the limit is {_MAX_HANDLES_BYTES}"
+            )
+    return None
+
+
+def _split_bind(bind: str) -> tuple[str, int]:
+    host, _, port = bind.rpartition(":")
+    host = host.strip("[]")
+    try:
+        return host, int(port)
+    except ValueError as exc:
+        raise ValueError(f"bind ({bind!r}) must end in :port.") from exc
+
+
+class _EventStream:
+    """A subscriber's stream, as the engine sees it."""
+
+    __slots__ = ("engine", "rpc")
+
+    def __init__(self, rpc: RpcCall, engine: LighthouseEngine) -> None:
+        self.rpc = rpc
+        self.engine = engine
+
+    def send(self, payload: bytes) -> None:
+        if self.rpc.pending_messages >= _MAX_PENDING_EVENTS:
+            self.engine.unsubscribe(self)
+            self.rpc.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, "event stream fell behind; subscribe again"
+            )
+            return
+        self.rpc.send(payload)
+
+    def close(self) -> None:
+        self.rpc.abort(grpc.StatusCode.UNAVAILABLE, _CLOSING)
+
+
+class LighthouseServer:
+    """A lighthouse serving on a background thread until :meth:`shutdown`.
+
+    Args:
+        bind: gRPC listen address, ``host:port``; ``[::]:0`` or
+            ``127.0.0.1:0`` picks a free port.
+        min_replicas: fewest replica groups a new (non-fast) quorum needs.
+        join_timeout_ms: how long a ready quorum waits for heartbeating
+            stragglers (default 100 ms, torchft's Python default).
+        quorum_tick_ms: period of the background evaluation (default 100 ms).
+        heartbeat_timeout_ms: silence after which a replica group is dead
+            (default 5000 ms).
+        http_port: dashboard port on the bind host; 0 picks a free port
+            (default), a negative value turns the dashboard off.
+        kill_token: shared secret that enables the dashboard's kill action.
+        config: a complete config instead of the arguments above.
+
+    The timeouts also accept a ``timedelta``. Settings left as None come from
+    ``FTDIST_LIGHTHOUSE_*`` environment variables, then the defaults
+    (:mod:`ftdist.coordination.config`).
+
+    Raises:
+        ValueError: if a setting is invalid.
+        OSError: if the gRPC or HTTP port cannot be bound.
+    """
+
+    def __init__(
+        self,
+        bind: str | None = None,
+        min_replicas: int | None = None,
+        join_timeout_ms: int | timedelta | None = None,
+        quorum_tick_ms: int | timedelta | None = None,
+        heartbeat_timeout_ms: int | timedelta | None = None,
+        *,
+        http_port: int | None = None,
+        kill_token: str | None = None,
+        config: LighthouseConfig | None = None,
+    ) -> None:
+        if config is None:
+            config = resolve_lighthouse_config(
+                bind=bind,
+                min_replicas=min_replicas,
+                join_timeout_ms=join_timeout_ms,
+                quorum_tick_ms=quorum_tick_ms,
+                heartbeat_timeout_ms=heartbeat_timeout_ms,
+                http_port=http_port,
+                kill_token=kill_token,
+            )
+        self.config = config
+        self._host, _ = _split_bind(config.bind)
+        self._engine = LighthouseEngine(
+            QuorumSettings(
+                min_replicas=config.min_replicas,
+                join_timeout_s=config.join_timeout.total_seconds(),
+                heartbeat_timeout_s=config.heartbeat_timeout.total_seconds(),
+            )
+        )
+        self._server = CompletionQueueServer(
+            config.bind,
+            {
+                _rpc.LIGHTHOUSE_QUORUM: self._handle_quorum,
+                _rpc.LIGHTHOUSE_HEARTBEAT: self._handle_heartbeat,
+                _rpc.EVENTS_SUBSCRIBE: self._handle_subscribe,
+            },
+            _rpc.server_options(),
+            tick=self._tick,
+            tick_period_s=config.quorum_tick.total_seconds(),
+            thread_name="ftdist-lighthouse",
+        )
+        # Quorum calls parked since the last tick, not yet watched for
+        # cancellation (see _tick).
+        self._unwatched: list[tuple[RpcCall, object]] = []
+        self._shutdown_lock = threading.Lock()
+        self._closed = False
+        self._port = self._server.start()
+        self._dashboard: DashboardServer | None = None
+        if config.http_port is not None:
+            try:
+                self._dashboard = DashboardServer(
+                    host=self._host,
+                    port=config.http_port,
+                    status=self._status,
+                    kill=self._kill,
+                    kill_token=config.kill_token,
+                )
+            except BaseException:
+                self.shutdown()
+                raise
+        logger.info(
+            "Lighthouse listening on %s (dashboard %s)",
+            self.address(),
+            self.dashboard_address() or "off",
+        )
+
+    # -- public API -------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        """The bound gRPC port.
+
+        Raises:
+            Nothing.
+        """
+        return self._port
+
+    def address(self) -> str:
+        """The address clients should use, ``http://host:port``.
+
+        For a wildcard bind (``[::]``, ``0.0.0.0``) the host is this machine's
+        hostname, as torchft does; otherwise it is the bind host.
+
+        Returns:
+            The address.
+
+        Raises:
+            Nothing.
+        """
+        return f"http://{self._public_host()}:{self._port}"
+
+    def dashboard_address(self) -> str | None:
+        """The dashboard's ``http://host:port``, or None when it is off.
+
+        Returns:
+            The address or None.
+
+        Raises:
+            Nothing.
+        """
+        if self._dashboard is None:
+            return None
+        return f"http://{self._public_host()}:{self._dashboard.port}"
+
+    def shutdown(self) -> None:
+        """Stop serving and join every thread. Idempotent.
+
+        Parked quorum calls fail with UNAVAILABLE ("lighthouse is shutting
+        down"), event streams end the same way, then both ports close.
+
+        Raises:
+            Nothing.
+        """
+        with self._shutdown_lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._dashboard is not None:
+            self._dashboard.close()
+        self._server.call_soon(self._engine.close)
+        self._server.stop(_SHUTDOWN_GRACE_S)
+        logger.info("Lighthouse on port %d stopped", self._port)
+
+    def __enter__(self) -> LighthouseServer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def _public_host(self) -> str:
+        host = self._host
+        if host in ("", "::", "0.0.0.0"):
+            host = socket.gethostname()
+        return f"[{host}]" if ":" in host else host
+
+    # -- dashboard hooks (called from the dashboard's threads) -------------
+
+    def _status(self) -> dict[str, Any]:
+        engine, config = self._engine, self.config
+        return dict(self._server.run(lambda: build_status(engine, config)))
+
+    def _kill(self, replica_id: str) -> str:
+        engine = self._engine
+
+        def find() -> str | None:
+            current = engine.current
+            if current is None:
+                return None
+            for member in current.quorum.participants:
+                if member.replica_id == replica_id:
+                    return str(member.address)
+            return None
+
+        address = self._server.run(find)
+        if address is None:
+            raise LookupError(f"replica {replica_id!r} is not in the current quorum")
+        logger.warning("Killing replica %s (manager %s) from the dashboard", replica_id, address)
+        _rpc.kill_manager(address, "killed from dashboard", timeout=timedelta(seconds=10))
+        return str(address)
+
+    # -- RPC handlers (on the server thread) ----------------------------------
+
+    def _handle_quorum(self, rpc: RpcCall, request: bytes) -> None:
+        try:
+            message = torchft_pb2.LighthouseQuorumRequest.FromString(request)
+        except DecodeError:
+            rpc.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "request is not a valid torchft.LighthouseQuorumRequest",
+            )
+            return
+        if not message.HasField("requester"):
+            rpc.abort(grpc.StatusCode.INVALID_ARGUMENT, "missing requester")
+            return
+        problem = _check_member(message.requester, self.config.max_data_bytes)
+        if problem is not None:
+            rpc.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            return
+
+        def deliver(formed: FormedQuorum | None) -> None:
+            if formed is None:
+                rpc.abort(grpc.StatusCode.UNAVAILABLE, _CLOSING)
+            else:
+                rpc.reply(formed.response)
+
+        ticket = self._engine.join(message.requester, deliver)
+        if not rpc.done:
+            self._unwatched.append((rpc, ticket))
+
+    def _tick(self) -> None:
+        # Watching a call for cancellation costs a gRPC operation and an event.
+        # Most parked calls are answered within milliseconds, so only those
+        # still parked at a tick are watched: a client that went away is
+        # withdrawn within one quorum tick (torchft never withdraws it).
+        engine = self._engine
+        parked, self._unwatched = self._unwatched, []
+        for rpc, ticket in parked:
+            if not rpc.done:
+                rpc.on_cancel(functools.partial(engine.withdraw, ticket))
+        engine.tick()
+
+    def _handle_heartbeat(self, rpc: RpcCall, request: bytes) -> None:
+        try:
+            message = torchft_pb2.LighthouseHeartbeatRequest.FromString(request)
+        except DecodeError:
+            rpc.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "request is not a valid torchft.LighthouseHeartbeatRequest",
+            )
+            return
+        replica_id = message.replica_id
+        if not replica_id:
+            rpc.abort(grpc.StatusCode.INVALID_ARGUMENT, "replica_id must not be empty")
+            return
+        if len(replica_id) > _MAX_FIELD_BYTES // 4 and len(replica_id.encode()) > _MAX_FIELD_BYTES:
+            rpc.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"replica_id is longer than {_MAX_FIELD_BYTES} bytes",
+            )
+            return
+        self._engine.heartbeat(replica_id)
+        rpc.reply(b"")
+
+    def _handle_subscribe(self, rpc: RpcCall, request: bytes) -> None:
+        try:
+            message = ftdist_pb2.SubscribeRequest.FromString(request)
+        except DecodeError:
+            rpc.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "request is not a valid ftdist.SubscribeRequest"
+            )
+            return
+        logger.debug("Event subscriber %r joined", message.replica_id)
+        engine = self._engine
+        stream = _EventStream(rpc, engine)
+        rpc.on_cancel(lambda: engine.unsubscribe(stream))
+        engine.subscribe(stream)

@@ -1,0 +1,174 @@
+"""
+``ftdist lighthouse``
+=====================
+
+Runs a lighthouse in the foreground until SIGINT or SIGTERM, logging every
+quorum change and, while no quorum can form, why. Flags take torchft's
+spellings too (``--min_replicas`` as well as ``--min-replicas``), so scripts
+written for ``torchft_lighthouse`` work unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import Any
+
+from ftdist.coordination.config import CLI_DEFAULTS, ENV_VARS, resolve_lighthouse_config
+from ftdist.coordination.lighthouse import LighthouseServer
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``lighthouse`` subcommand to the ``ftdist`` parser.
+
+    Args:
+        subparsers: the object ``ArgumentParser.add_subparsers()`` returned.
+
+    Returns:
+        The subcommand's parser.
+
+    Raises:
+        Nothing.
+    """
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "lighthouse",
+        help="run the lighthouse (quorum server) of a fault-tolerant job",
+        description=(
+            "Run the lighthouse every replica group of a job heartbeats and asks for the "
+            "quorum. Unset flags fall back to FTDIST_LIGHTHOUSE_* environment variables, "
+            "then to torchft_lighthouse's defaults."
+        ),
+    )
+
+    def option(*names: str, key: str, help_text: str, **kwargs: Any) -> None:
+        default = CLI_DEFAULTS.get(key)
+        shown = "" if default is None else f"; default {default}"
+        suffix = f" [env {ENV_VARS[key]}{shown}]"
+        parser.add_argument(*names, dest=key, default=None, help=help_text + suffix, **kwargs)
+
+    option("--bind", key="bind", metavar="HOST:PORT", help_text="gRPC address to listen on")
+    option(
+        "--min-replicas",
+        "--min_replicas",
+        key="min_replicas",
+        type=int,
+        metavar="N",
+        help_text="fewest replica groups a new quorum needs (required)",
+    )
+    option(
+        "--join-timeout-ms",
+        "--join_timeout_ms",
+        key="join_timeout_ms",
+        type=int,
+        metavar="MS",
+        help_text="how long to wait for heartbeating stragglers to join before a quorum",
+    )
+    option(
+        "--quorum-tick-ms",
+        "--quorum_tick_ms",
+        key="quorum_tick_ms",
+        type=int,
+        metavar="MS",
+        help_text="how often to re-check the quorum and the heartbeats",
+    )
+    option(
+        "--heartbeat-timeout-ms",
+        "--heartbeat_timeout_ms",
+        key="heartbeat_timeout_ms",
+        type=int,
+        metavar="MS",
+        help_text="silence after which a replica group counts as dead",
+    )
+    option(
+        "--http-port",
+        "--http_port",
+        key="http_port",
+        type=int,
+        metavar="PORT",
+        help_text="dashboard port on the bind host; 0 picks one, -1 turns it off",
+    )
+    option(
+        "--kill-token",
+        key="kill_token",
+        metavar="TOKEN",
+        help_text="enable the dashboard's kill button, guarded by this shared secret "
+        "(prefer the environment variable: flags show up in ps)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging level [default: INFO]",
+    )
+    parser.set_defaults(handler=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a lighthouse until SIGINT or SIGTERM.
+
+    Args:
+        args: the parsed ``ftdist lighthouse`` arguments.
+
+    Returns:
+        0 after a clean stop, 1 if a port cannot be bound, 2 on a
+        configuration error.
+
+    Raises:
+        Nothing: errors are reported on stderr and in the exit status.
+    """
+    logging.basicConfig(
+        level=args.log_level,
+        format="%(asctime)s.%(msecs)03d [%(levelname)s] [%(name)s] - %(message)s",
+        datefmt="%Y-%m-%dT%H:%M:%S",
+    )
+    try:
+        config = resolve_lighthouse_config(
+            defaults=CLI_DEFAULTS,
+            bind=args.bind,
+            min_replicas=args.min_replicas,
+            join_timeout_ms=args.join_timeout_ms,
+            quorum_tick_ms=args.quorum_tick_ms,
+            heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+            http_port=args.http_port,
+            kill_token=args.kill_token,
+        )
+    except ValueError as exc:
+        print(f"ftdist lighthouse: error: {exc}", file=sys.stderr)
+        return 2
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        logging.getLogger("ftdist.coordination.lighthouse").info(
+            "Received %s, stopping", signal.Signals(signum).name
+        )
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            server = LighthouseServer(config=config)
+        except OSError as exc:
+            print(f"ftdist lighthouse: error: {exc}", file=sys.stderr)
+            return 1
+        try:
+            print(
+                f"ftdist lighthouse serving on {server.address()} "
+                f"(dashboard: {server.dashboard_address() or 'off'})",
+                flush=True,
+            )
+            while not stop.wait(1.0):
+                pass
+        finally:
+            server.shutdown()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0

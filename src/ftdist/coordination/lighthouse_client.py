@@ -1,0 +1,318 @@
+"""
+Lighthouse client
+=================
+
+:class:`LighthouseClient` talks to any lighthouse that speaks
+``torchft.LighthouseService`` (ftdist's or torchft's) with torchft's Python
+API: ``quorum(...)`` and ``heartbeat(...)``, plus ftdist's failure-news
+stream, :meth:`LighthouseClient.subscribe` (ftdist lighthouses only).
+
+Connection handling:
+
+* The constructor connects, backing off from 100 ms up to 10 s between
+  attempts, and gives up after ``connect_timeout`` with
+  :class:`~ftdist.errors.CoordinationError`.
+* A call that finds the lighthouse unreachable before its request left (the
+  lighthouse is restarting, say) reconnects with the same backoff for up to
+  ``connect_timeout``, within the call's own ``timeout``, and then sends it.
+* A call in flight when the lighthouse goes away fails at once with
+  ``CoordinationError``; it is never resent, so a quorum request cannot hang
+  on a dead server or be counted twice.
+* A call that runs past its ``timeout`` raises
+  :class:`~ftdist.errors.CoordinationTimeoutError`, a ``TimeoutError``, as
+  torchft does; every other failure is a ``CoordinationError`` (a
+  ``RuntimeError``) carrying the server's message.
+
+The client is thread-safe: one instance can serve a heartbeat thread and a
+quorum thread at once.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import grpc
+
+from ftdist.coordination import _rpc
+from ftdist.coordination._proto import ftdist_pb2, torchft_pb2
+from ftdist.coordination.types import LighthouseEvent, Quorum
+from ftdist.errors import CoordinationError, CoordinationTimeoutError
+
+__all__ = ["LighthouseClient", "LighthouseEventStream"]
+
+_DEFAULT_HEARTBEAT_TIMEOUT = timedelta(seconds=5)
+
+
+class LighthouseEventStream:
+    """An open failure-news stream; iterate it for :class:`LighthouseEvent`.
+
+    The first event is always ``"subscribed"``. Iteration blocks until the next
+    event, ends after :meth:`close` (from any thread), and raises
+    :class:`~ftdist.errors.CoordinationError` if the lighthouse goes away.
+    """
+
+    def __init__(self, call: Any, what: str) -> None:
+        self._call = call
+        self._what = what
+        self._closed = False
+
+    def __iter__(self) -> Iterator[LighthouseEvent]:
+        return self
+
+    def __next__(self) -> LighthouseEvent:
+        """Wait for the next event.
+
+        Raises:
+            StopIteration: after :meth:`close`.
+            CoordinationError: if the stream broke (the lighthouse stopped).
+        """
+        try:
+            message = next(self._call)
+        except grpc.RpcError as exc:
+            if self._closed:
+                raise StopIteration from None
+            raise _rpc.map_rpc_error(exc, self._what) from exc
+        return LighthouseEvent.from_proto(message)
+
+    def close(self) -> None:
+        """End the stream; a blocked iteration stops. Idempotent.
+
+        Raises:
+            Nothing.
+        """
+        self._closed = True
+        self._call.cancel()
+
+    def __enter__(self) -> LighthouseEventStream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class LighthouseClient:
+    """Client of a lighthouse.
+
+    Args:
+        addr: the lighthouse address, ``host:port`` or ``http://host:port``.
+        connect_timeout: how long to keep trying to connect (a timedelta or
+            seconds), now and after the lighthouse goes away.
+
+    Raises:
+        ValueError: if the address or timeout is malformed.
+        CoordinationError: if the lighthouse cannot be reached in time.
+    """
+
+    def __init__(self, addr: str, connect_timeout: timedelta | float) -> None:
+        self.addr = addr
+        self.connect_timeout = (
+            connect_timeout
+            if isinstance(connect_timeout, timedelta)
+            else timedelta(seconds=connect_timeout)
+        )
+        self._connect_s = _rpc.to_seconds("connect_timeout", connect_timeout)
+        self._target = _rpc.grpc_target(addr)
+        self._channel = grpc.insecure_channel(self._target, options=_rpc.client_channel_options())
+        self._lock = threading.Lock()
+        # False after a call found the lighthouse unreachable: the next call
+        # first reconnects, with backoff, for up to connect_timeout (the
+        # lighthouse may be restarting). grpc's connectivity watcher is not
+        # used for this: it races with channel.close() in grpcio.
+        self._connected = False
+        self._quorum_rpc = self._channel.unary_unary(
+            _rpc.LIGHTHOUSE_QUORUM,
+            request_serializer=torchft_pb2.LighthouseQuorumRequest.SerializeToString,
+            response_deserializer=torchft_pb2.LighthouseQuorumResponse.FromString,
+        )
+        self._heartbeat_rpc = self._channel.unary_unary(
+            _rpc.LIGHTHOUSE_HEARTBEAT,
+            request_serializer=torchft_pb2.LighthouseHeartbeatRequest.SerializeToString,
+            response_deserializer=torchft_pb2.LighthouseHeartbeatResponse.FromString,
+        )
+        self._subscribe_rpc = self._channel.unary_stream(
+            _rpc.EVENTS_SUBSCRIBE,
+            request_serializer=ftdist_pb2.SubscribeRequest.SerializeToString,
+            response_deserializer=ftdist_pb2.LighthouseEvent.FromString,
+        )
+        try:
+            self._ensure_connected(self._connect_s, "connect")
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Close the connection; later calls fail. Idempotent.
+
+        Raises:
+            Nothing.
+        """
+        self._channel.close()
+
+    def __enter__(self) -> LighthouseClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"LighthouseClient(addr={self.addr!r}, connect_timeout={self.connect_timeout!r})"
+
+    # -- calls ------------------------------------------------------------
+
+    def quorum(
+        self,
+        replica_id: str,
+        timeout: timedelta | float,
+        address: str | None = "",
+        store_address: str | None = "",
+        step: int | None = 0,
+        world_size: int | None = 0,
+        shrink_only: bool | None = False,
+        data: Mapping[Any, Any] | None = None,
+        *,
+        commit_failures: int = 0,
+        reconfigure_handles: Sequence[str] = (),
+    ) -> Quorum:
+        """Join the next quorum and wait until it forms.
+
+        Args:
+            replica_id: this replica group's id (not empty).
+            timeout: how long to wait (a timedelta or seconds).
+            address: this replica group's ManagerServer address.
+            store_address: this replica group's TCPStore address.
+            step: the step this replica group is at (not negative).
+            world_size: ranks in this replica group.
+            shrink_only: ask that the quorum add no new member.
+            data: JSON-serializable data shown to the other members (keys
+                become strings, as with any JSON object).
+            commit_failures: failed commits since the last success; > 0 makes
+                the lighthouse issue a new quorum_id (ftdist extension of
+                torchft's Python signature, which always sends 0).
+            reconfigure_handles: process-group reconfigure handles, one per
+                group rank (torchft wheel protocol).
+
+        Returns:
+            The first quorum formed that includes ``replica_id``.
+
+        Raises:
+            ValueError: if ``replica_id`` is empty or ``step`` negative.
+            TypeError: if ``data`` is not JSON-serializable.
+            CoordinationTimeoutError: if no quorum formed within ``timeout``.
+            CoordinationError: if the lighthouse rejected the request, went
+                away during the call or cannot be reached.
+        """
+        if not replica_id:
+            raise ValueError("replica_id must not be empty.")
+        step = step or 0
+        if step < 0:
+            raise ValueError(f"step ({step}) must not be negative.")
+        timeout_s = _rpc.to_seconds("timeout", timeout)
+        encoded = "" if data is None else json.dumps(data)
+        request = torchft_pb2.LighthouseQuorumRequest(
+            requester=torchft_pb2.QuorumMember(
+                replica_id=replica_id,
+                address=address or "",
+                store_address=store_address or "",
+                step=step,
+                world_size=world_size or 0,
+                shrink_only=bool(shrink_only),
+                data=encoded,
+                commit_failures=commit_failures,
+                reconfigure_handles=list(reconfigure_handles),
+            )
+        )
+        response = self._call(self._quorum_rpc, request, timeout_s, "Quorum")
+        return Quorum.from_proto(response.quorum)
+
+    def heartbeat(
+        self, replica_id: str, timeout: timedelta | float = _DEFAULT_HEARTBEAT_TIMEOUT
+    ) -> None:
+        """Tell the lighthouse this replica group is alive.
+
+        Args:
+            replica_id: this replica group's id (not empty).
+            timeout: how long to wait (a timedelta or seconds).
+
+        Raises:
+            ValueError: if ``replica_id`` is empty.
+            CoordinationTimeoutError: if the call ran past ``timeout``.
+            CoordinationError: if the lighthouse rejected it or is unreachable.
+        """
+        if not replica_id:
+            raise ValueError("replica_id must not be empty.")
+        timeout_s = _rpc.to_seconds("timeout", timeout)
+        request = torchft_pb2.LighthouseHeartbeatRequest(replica_id=replica_id)
+        self._call(self._heartbeat_rpc, request, timeout_s, "Heartbeat")
+
+    def subscribe(self, replica_id: str = "") -> LighthouseEventStream:
+        """Open the failure-news stream (ftdist lighthouses only).
+
+        Args:
+            replica_id: who is listening, for the lighthouse's logs.
+
+        Returns:
+            The stream; its first event is ``"subscribed"``. Close it when done.
+
+        Raises:
+            CoordinationError: if the lighthouse cannot be reached.
+        """
+        self._ensure_connected(self._connect_s, "Subscribe")
+        call = self._subscribe_rpc(ftdist_pb2.SubscribeRequest(replica_id=replica_id))
+        return LighthouseEventStream(call, f"event stream from lighthouse at {self.addr}")
+
+    # -- plumbing -----------------------------------------------------------
+
+    def _ensure_connected(self, wait_s: float, what: str) -> None:
+        if self._connected:
+            return
+        # One waiter at a time; the others find the channel connected after it.
+        with self._lock:
+            if self._connected:
+                return
+            ready = grpc.channel_ready_future(self._channel)
+            try:
+                ready.result(timeout=wait_s)
+            except grpc.FutureTimeoutError as exc:
+                ready.cancel()  # stops grpc's connectivity polling for it
+                if wait_s < self._connect_s:
+                    raise CoordinationTimeoutError(
+                        f"{what} timed out after {wait_s:g} s while reconnecting to "
+                        f"lighthouse at {self.addr}"
+                    ) from exc
+                raise CoordinationError(
+                    f"failed to connect to lighthouse at {self.addr} within "
+                    f"{self._connect_s:g} s; check the address and that the lighthouse "
+                    "is running, or raise connect_timeout"
+                ) from exc
+            except ValueError as exc:  # the channel was closed
+                raise CoordinationError(f"client of {self.addr} is closed") from exc
+            self._connected = True
+
+    def _call(self, rpc: Any, request: Any, timeout_s: float, method: str) -> Any:
+        what = f"{method} call to lighthouse at {self.addr}"
+        deadline = time.monotonic() + timeout_s
+        resent = False
+        while True:
+            remaining = max(0.001, deadline - time.monotonic())
+            self._ensure_connected(min(self._connect_s, remaining), what)
+            try:
+                return rpc(request, timeout=max(0.001, deadline - time.monotonic()))
+            except grpc.RpcError as exc:
+                code = exc.code() if isinstance(exc, grpc.Call) else None
+                if code is grpc.StatusCode.UNAVAILABLE:
+                    self._connected = False
+                    # The request never left (the lighthouse went away while
+                    # the channel was idle): reconnect and send it once more.
+                    # A call that was in flight is never resent.
+                    details = exc.details() if isinstance(exc, grpc.Call) else ""
+                    if not resent and (details or "").startswith("failed to connect"):
+                        resent = True
+                        continue
+                raise _rpc.map_rpc_error(exc, what) from exc
+            except ValueError as exc:  # the channel was closed
+                raise CoordinationError(f"client of {self.addr} is closed") from exc

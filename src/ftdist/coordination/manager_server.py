@@ -1,0 +1,275 @@
+"""
+The manager server
+==================
+
+One :class:`ManagerServer` runs per replica group, in group rank 0. It serves
+torchft's ``torchft.ManagerService`` to every rank of the group:
+
+- ``Quorum``: gathers one request per group rank, makes one lighthouse call
+  for the whole group, and answers each rank with its part of the result
+  (:func:`~ftdist.coordination.manager_rule.compute_quorum_results`).
+- ``ShouldCommit``: an AND of every group rank's vote.
+- ``CheckpointMetadata``: where a healing peer fetches a group rank's state.
+- ``Kill``: exits the process.
+
+It also heartbeats the lighthouse. Unlike torchft's server, a failed
+lighthouse call is reported to every waiting rank at once (none is left to
+wait for its own deadline), and the ranks' steps are checked: group ranks
+that disagree on the step (or vote on different steps) get a clear error.
+
+Calls are few (a handful per rank per step), so each call is served on a
+thread of a pool and simply waits for its round to finish.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import grpc
+
+from ftdist.coordination import _rpc
+from ftdist.coordination._proto import torchft_pb2
+from ftdist.coordination.lighthouse_client import LighthouseClient
+from ftdist.coordination.manager_rule import compute_quorum_results, find_divergence
+from ftdist.coordination.types import Quorum
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Round:
+    """One gathering of every group rank (a quorum or a commit vote)."""
+
+    arrivals: dict[int, Any] = field(default_factory=dict)
+    done: threading.Event = field(default_factory=threading.Event)
+    quorum: Quorum | None = None
+    divergence: str = ""
+    decision: bool = False
+    error: tuple[grpc.StatusCode, str] | None = None
+
+
+class ManagerServer:
+    """Serves ``torchft.ManagerService`` for one replica group.
+
+    Args:
+        replica_id: the replica group's full id (with its uuid).
+        lighthouse_addr: the lighthouse, ``host:port`` or ``http://host:port``.
+        hostname: how peers reach this host.
+        bind: listen address, e.g. ``"[::]:0"``.
+        store_addr: the replica group's TCPStore, ``host:port``.
+        world_size: ranks in the replica group.
+        heartbeat_interval: between lighthouse heartbeats.
+        connect_timeout: connecting to the lighthouse.
+        quorum_retries: extra lighthouse quorum attempts after a failure.
+
+    Raises:
+        ValueError: ``world_size < 1`` or a malformed address.
+        CoordinationError: the lighthouse is unreachable within ``connect_timeout``.
+        OSError: ``bind`` cannot be bound.
+    """
+
+    def __init__(self, replica_id: str, lighthouse_addr: str, hostname: str, bind: str,
+                 store_addr: str, world_size: int, heartbeat_interval: timedelta,
+                 connect_timeout: timedelta, quorum_retries: int = 0) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self._replica_id = replica_id
+        self._hostname = hostname
+        self._store_addr = store_addr
+        self._world_size = world_size
+        self._heartbeat_s = heartbeat_interval.total_seconds()
+        self._quorum_retries = quorum_retries
+        self._lighthouse = LighthouseClient(lighthouse_addr, connect_timeout)
+        self._lock = threading.Lock()
+        self._quorum_round = _Round()
+        self._commit_round = _Round()
+        self._metadata: dict[int, str] = {}
+        self._stopped = threading.Event()
+
+        self._server = grpc.server(
+            ThreadPoolExecutor(max_workers=2 * world_size + 8, thread_name_prefix="ftdist-mgr"),
+            options=_rpc.server_options(),
+        )
+        handlers = {
+            "Quorum": grpc.unary_unary_rpc_method_handler(
+                self._quorum, torchft_pb2.ManagerQuorumRequest.FromString,
+                torchft_pb2.ManagerQuorumResponse.SerializeToString),
+            "CheckpointMetadata": grpc.unary_unary_rpc_method_handler(
+                self._checkpoint_metadata, torchft_pb2.CheckpointMetadataRequest.FromString,
+                torchft_pb2.CheckpointMetadataResponse.SerializeToString),
+            "ShouldCommit": grpc.unary_unary_rpc_method_handler(
+                self._should_commit, torchft_pb2.ShouldCommitRequest.FromString,
+                torchft_pb2.ShouldCommitResponse.SerializeToString),
+            "Kill": grpc.unary_unary_rpc_method_handler(
+                self._kill, torchft_pb2.KillRequest.FromString,
+                torchft_pb2.KillResponse.SerializeToString),
+        }
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(_rpc.MANAGER_SERVICE, handlers),))
+        self._port = self._server.add_insecure_port(bind)
+        if not self._port:
+            raise OSError(f"cannot bind the manager server to {bind}")
+        self._server.start()
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop,
+                                           name="ftdist-mgr-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def address(self) -> str:
+        """``http://hostname:port``."""
+        host = f"[{self._hostname}]" if ":" in self._hostname else self._hostname
+        return f"http://{host}:{self._port}"
+
+    def shutdown(self) -> None:
+        """Stop serving and heartbeating."""
+        self._stopped.set()
+        self._server.stop(grace=None).wait(5)
+        self._heartbeat.join(timeout=5)
+        self._lighthouse.close()
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stopped.wait(self._heartbeat_s):
+            try:
+                self._lighthouse.heartbeat(self._replica_id, timeout=max(1.0, self._heartbeat_s * 10))
+            except Exception as exc:  # keep trying: the lighthouse may be restarting
+                if not self._stopped.is_set():
+                    logger.warning("[%s] lighthouse heartbeat failed: %s", self._replica_id, exc)
+
+    # -- Quorum -------------------------------------------------------------------
+    def _quorum(self, request: torchft_pb2.ManagerQuorumRequest,
+                context: grpc.ServicerContext) -> torchft_pb2.ManagerQuorumResponse:
+        remaining = context.time_remaining()
+        if remaining is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "missing timeout")
+        rank = request.group_rank
+        if not 0 <= rank < self._world_size:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"group_rank {rank} is outside [0, {self._world_size})")
+        if request.step < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {request.step} is negative")
+        with self._lock:
+            self._metadata[rank] = request.checkpoint_metadata
+            current = self._quorum_round
+            current.arrivals[rank] = request
+            if len(current.arrivals) == self._world_size:
+                self._quorum_round = _Round()
+                threading.Thread(target=self._run_quorum, args=(current, remaining),
+                                 name="ftdist-mgr-quorum", daemon=True).start()
+        if not current.done.wait(remaining):
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"quorum did not complete: {len(current.arrivals)} of "
+                          f"{self._world_size} group ranks arrived")
+        if current.error is not None:
+            context.abort(*current.error)
+        assert current.quorum is not None
+        try:
+            result = compute_quorum_results(self._replica_id, rank, current.quorum.quorum_id,
+                                            current.quorum.participants, request.init_sync)
+        except LookupError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        created = current.quorum.created
+        return torchft_pb2.ManagerQuorumResponse(
+            quorum_id=result.quorum_id,
+            recover_src_manager_address=result.recover_src_manager_address,
+            recover_src_replica_rank=result.recover_src_replica_rank,
+            recover_dst_replica_ranks=result.recover_dst_replica_ranks,
+            store_address=result.store_address,
+            max_step=result.max_step,
+            max_replica_rank=result.max_replica_rank,
+            max_world_size=result.max_world_size,
+            replica_rank=result.replica_rank,
+            replica_world_size=result.replica_world_size,
+            heal=result.heal,
+            commit_failures=result.commit_failures,
+            replica_ids=result.replica_ids,
+            divergence=current.divergence,
+            quorum_created_ns=created.seconds * 1_000_000_000 + created.nanos,
+        )
+
+    def _run_quorum(self, current: _Round, timeout: float) -> None:
+        requests: dict[int, torchft_pb2.ManagerQuorumRequest] = current.arrivals
+        try:
+            steps = {r: q.step for r, q in requests.items()}
+            if len(set(steps.values())) > 1:
+                current.error = (grpc.StatusCode.FAILED_PRECONDITION,
+                                 f"group ranks of {self._replica_id} disagree on the step: "
+                                 f"{dict(sorted(steps.items()))}")
+                return
+            fingerprints = {str(r): json.loads(q.fingerprint)
+                            for r, q in requests.items() if q.fingerprint}
+            data = {"fingerprint": fingerprints} if fingerprints else None
+            deadline = time.monotonic() + timeout
+            for attempt in range(self._quorum_retries + 1):
+                try:
+                    current.quorum = self._lighthouse.quorum(
+                        self._replica_id, timeout=max(0.01, deadline - time.monotonic()),
+                        address=self.address(), store_address=self._store_addr,
+                        step=next(iter(steps.values())), world_size=self._world_size,
+                        shrink_only=any(q.shrink_only for q in requests.values()), data=data,
+                        commit_failures=max(q.commit_failures for q in requests.values()),
+                    )
+                    break
+                except Exception as exc:
+                    if attempt == self._quorum_retries or time.monotonic() >= deadline:
+                        code = grpc.StatusCode.DEADLINE_EXCEEDED \
+                            if isinstance(exc, TimeoutError) else grpc.StatusCode.UNAVAILABLE
+                        current.error = (code, f"lighthouse quorum failed after {attempt + 1} "
+                                               f"attempt(s): {exc}")
+                        return
+                    time.sleep(min(0.1 * (attempt + 1), max(0.0, deadline - time.monotonic())))
+            assert current.quorum is not None
+            current.divergence = find_divergence(current.quorum.participants) or ""
+        except Exception as exc:  # never leave ranks waiting on a bug
+            logger.exception("quorum round failed")
+            current.error = (grpc.StatusCode.INTERNAL, f"manager server error: {exc}")
+        finally:
+            current.done.set()
+
+    # -- the other RPCs ---------------------------------------------------------
+    def _checkpoint_metadata(self, request: torchft_pb2.CheckpointMetadataRequest,
+                             context: grpc.ServicerContext
+                             ) -> torchft_pb2.CheckpointMetadataResponse:
+        with self._lock:
+            metadata = self._metadata.get(request.rank)
+        if metadata is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"rank not found: group rank {request.rank} has not joined a quorum")
+        return torchft_pb2.CheckpointMetadataResponse(checkpoint_metadata=metadata)
+
+    def _should_commit(self, request: torchft_pb2.ShouldCommitRequest,
+                       context: grpc.ServicerContext) -> torchft_pb2.ShouldCommitResponse:
+        rank = request.group_rank
+        if not 0 <= rank < self._world_size:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"group_rank {rank} is outside [0, {self._world_size})")
+        with self._lock:
+            current = self._commit_round
+            current.arrivals[rank] = (request.should_commit, request.step)
+            if len(current.arrivals) == self._world_size:
+                self._commit_round = _Round()
+                votes = current.arrivals
+                steps = {s for _, s in votes.values()}
+                current.decision = all(v for v, _ in votes.values()) and len(steps) == 1
+                if len(steps) > 1:
+                    logger.error("[%s] group ranks voted on different steps %s: not committing",
+                                 self._replica_id, {r: s for r, (_, s) in votes.items()})
+                current.done.set()
+        if not current.done.wait(context.time_remaining()):
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"commit vote incomplete: {len(current.arrivals)} of "
+                          f"{self._world_size} group ranks voted")
+        return torchft_pb2.ShouldCommitResponse(should_commit=current.decision)
+
+    def _kill(self, request: torchft_pb2.KillRequest,
+              context: grpc.ServicerContext) -> torchft_pb2.KillResponse:
+        logger.warning("[%s] killed: %s", self._replica_id, request.msg)
+        # Answer first, then exit: the caller learns the kill landed.
+        threading.Timer(0.1, os._exit, args=(1,)).start()
+        return torchft_pb2.KillResponse()

@@ -1,0 +1,586 @@
+"""
+Manager
+=======
+
+The Manager runs the fault-tolerant step protocol of one rank of one replica
+group. Each step:
+
+1. :meth:`Manager.start_quorum` (called by ``OptimizerWrapper.zero_grad``)
+   asks the replica group's ManagerServer, and through it the lighthouse,
+   which replica groups take this step. In the background it rebuilds the
+   process group when the membership changed, and heals this replica from an
+   up-to-date peer when it is behind (or serves its state to those that are).
+2. :meth:`Manager.allreduce` averages gradients over the participants. It
+   never raises into the training loop: a failure is recorded and
+   :meth:`Manager.errored` reports it.
+3. :meth:`Manager.should_commit` (called by ``OptimizerWrapper.step``) applies
+   a received state, then votes with the other ranks of the replica group;
+   the optimizer steps only if every rank voted yes. The step counter moves
+   only on a commit, so no committed step is ever lost or applied twice.
+
+A replica that died is dropped from the quorum at the next step; the
+lighthouse also pushes the news of its death, and the Manager aborts any
+collective still waiting on it instead of waiting out the timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+from enum import IntEnum
+from typing import Any, TypeVar, cast
+
+import torch
+import torch.distributed as dist
+
+from ftdist.checkpointing import CheckpointTransport, HTTPTransport
+from ftdist.coordination.manager_client import ManagerClient
+from ftdist.coordination.manager_rule import QuorumResult
+from ftdist.errors import CommunicationError, FtdistError, ProcessGroupAbortedError
+from ftdist.manager_settings import ManagerSettings
+from ftdist.process_group import ProcessGroup
+from ftdist.process_group.work import _DummyWork
+from ftdist.recovery import HealTimeline, fingerprint
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class WorldSizeMode(IntEnum):
+    """How many replica groups take part in a step.
+
+    ``DYNAMIC``: every replica group in the quorum. ``FIXED_WITH_SPARES``: at
+    most ``min_replica_size``; the others are hot spares that contribute
+    zeros and take over when a participant dies.
+    """
+
+    DYNAMIC = 0
+    FIXED_WITH_SPARES = 1
+
+
+class ExceptionWithTraceback(FtdistError):
+    """A recorded error together with where it was raised."""
+
+    def __init__(self, e: BaseException) -> None:
+        self.original_exception = e
+        self.stack_trace = "".join(traceback.format_exception(e))
+        super().__init__(f"{e}\n{self.stack_trace}")
+
+
+class _ManagedWork(dist._Work):
+    """A Manager allreduce: never raises; averages on completion."""
+
+    def __init__(self, manager: Manager, work: dist.Work, tensor: torch.Tensor,
+                 divisor: int | None) -> None:
+        super().__init__()
+        self._manager = manager
+        self._work = work
+        self._tensor = tensor
+        self._divisor = divisor
+        self._lock = threading.Lock()
+        self._future: torch.futures.Future | None = None
+
+    def _finish(self) -> None:
+        with self._lock:
+            divisor, self._divisor = self._divisor, None
+        if divisor:
+            self._tensor /= divisor
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Wait for the allreduce; on failure record it and return False."""
+        try:
+            self._work.wait(timeout or self._manager._settings.timeout)
+        except Exception as exc:
+            self._manager.report_error(exc)
+            return False
+        self._finish()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        """Resolves to the (averaged) tensor; on failure, to the tensor as is."""
+        if self._future is None:
+            def done(fut: torch.futures.Future) -> torch.Tensor:
+                try:
+                    fut.value()
+                except Exception as exc:
+                    self._manager.report_error(exc)
+                    return self._tensor
+                self._finish()
+                return self._tensor
+
+            self._future = self._work.get_future().then(done)
+        return self._future
+
+    def is_completed(self) -> bool:
+        return bool(self._work.is_completed())
+
+
+class Manager:
+    """Fault-tolerant step protocol for one rank of one replica group.
+
+    Args:
+        pg: the ftdist process group spanning the replica groups (this rank's
+            "column": the same group rank of every replica group).
+        load_state_dict: loads the user state received when healing.
+        state_dict: returns the user state to send when a peer heals.
+        min_replica_size: fewest replica groups with which a step may commit.
+        use_async_quorum: run the quorum (and healing) in the background,
+            overlapping the forward pass.
+        timeout: collectives and checkpoint transfers.
+        quorum_timeout: one quorum round.
+        connect_timeout: connecting to the ManagerServer and lighthouse.
+        rank: this rank in the replica group (default ``RANK``).
+        world_size: ranks in the replica group (default ``WORLD_SIZE``).
+        world_size_mode: see :class:`WorldSizeMode`.
+        store_addr: the replica group's TCPStore host (default ``MASTER_ADDR``).
+        store_port: its port (default ``MASTER_PORT``).
+        lighthouse_addr: the lighthouse (default ``FTDIST_LIGHTHOUSE``).
+        replica_id: this replica group's name; a uuid is appended so that a
+            restarted group counts as a new member.
+        port: the ManagerServer port (default ``FTDIST_MANAGER_PORT`` or any).
+        hostname: the name peers use to reach this host.
+        heartbeat_interval: ManagerServer heartbeats to the lighthouse.
+        checkpoint_transport: how state moves when healing (default HTTP).
+        init_sync: heal every replica from one primary at step 0.
+        max_retries: raise after this many consecutive failed commits.
+        quorum_retries: lighthouse quorum retries inside the ManagerServer.
+
+    Raises:
+        TypeError: ``pg`` is not an ftdist ProcessGroup, or an argument has
+            the wrong type.
+        ValueError: ``min_replica_size < 1``, no lighthouse address, or
+            another setting out of range (all before any connection).
+    """
+
+    def __init__(
+        self,
+        pg: ProcessGroup,
+        load_state_dict: Callable[[T], None] | None,
+        state_dict: Callable[[], T] | None,
+        min_replica_size: int,
+        use_async_quorum: bool = True,
+        timeout: timedelta | None = None,
+        quorum_timeout: timedelta | None = None,
+        connect_timeout: timedelta | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        world_size_mode: WorldSizeMode = WorldSizeMode.DYNAMIC,
+        store_addr: str | None = None,
+        store_port: int | None = None,
+        lighthouse_addr: str | None = None,
+        replica_id: str | None = None,
+        port: int | None = None,
+        hostname: str | None = None,
+        heartbeat_interval: timedelta | None = None,
+        checkpoint_transport: CheckpointTransport[Any] | None = None,
+        init_sync: bool = True,
+        max_retries: int | None = None,
+        quorum_retries: int | None = None,
+    ) -> None:
+        if not isinstance(pg, ProcessGroup):
+            raise TypeError(f"pg must be an ftdist ProcessGroup (it is reconfigured each quorum), "
+                            f"got {type(pg).__name__}")
+        if isinstance(min_replica_size, bool) or not isinstance(min_replica_size, int) \
+                or min_replica_size < 1:
+            raise ValueError(f"min_replica_size must be an int >= 1, got {min_replica_size!r}")
+        if max_retries is not None and (not isinstance(max_retries, int) or max_retries < 0):
+            raise ValueError(f"max_retries must be None or an int >= 0, got {max_retries!r}")
+        settings = ManagerSettings.resolve(
+            timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=connect_timeout,
+            quorum_retries=quorum_retries, lighthouse_addr=lighthouse_addr, port=port,
+            rank=rank, world_size=world_size, store_addr=store_addr, store_port=store_port,
+            hostname=hostname, heartbeat_interval=heartbeat_interval,
+        )
+        if settings.group_rank == 0 and not settings.lighthouse_addr:
+            raise ValueError("no lighthouse address: pass lighthouse_addr= or set "
+                             "FTDIST_LIGHTHOUSE (or TORCHFT_LIGHTHOUSE)")
+        self._settings = settings
+        self._pg = pg
+        self._min_replica_size = min_replica_size
+        self._use_async_quorum = use_async_quorum
+        self._world_size_mode = WorldSizeMode(world_size_mode)
+        self._init_sync = init_sync
+        self._max_retries = max_retries
+        self._group_rank = settings.group_rank
+
+        self._load_fns: dict[str, Callable[[Any], None]] = {}
+        self._save_fns: dict[str, Callable[[], Any]] = {}
+        if load_state_dict is not None and state_dict is not None:
+            self.register_state_dict_fn("default", load_state_dict, state_dict)
+        elif (load_state_dict is None) != (state_dict is None):
+            raise ValueError("pass both load_state_dict and state_dict, or neither (and use "
+                             "register_state_dict_fn)")
+
+        self._transport: CheckpointTransport[Any] = checkpoint_transport or HTTPTransport(
+            settings.timeout, num_chunks=0, hostname=settings.hostname)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftdist-quorum")
+        self._lock = threading.Lock()
+
+        # Step state (see the class docstring of each accessor).
+        self._step = 0
+        self._batches_committed = 0
+        self._quorum_id = -1
+        self._commit_failures = 0
+        self._errored: ExceptionWithTraceback | None = None
+        self._healing = False
+        self._pending_state: dict[str, Any] | None = None
+        self._quorum_future: Future[None] | None = None
+        self._participating_rank: int | None = None
+        self._participating_world_size = 0
+        self._members: list[str] = []
+        self._pg_broken = False
+        self._fingerprint_due = False
+        self._timeline: HealTimeline | None = None
+        self.heal_timelines: list[HealTimeline] = []
+        self._source_clients: dict[str, ManagerClient] = {}
+
+        from ftdist.manager_bootstrap import bootstrap
+
+        boot = bootstrap(settings, replica_id)
+        self._store = boot.store
+        self._own_store = boot.own_store
+        self._server = boot.server
+        self._client = boot.client
+        self._replica_id = boot.replica_id
+        self._news = boot.start_news(self._on_member_failed)
+        logger.info("%s manager ready (group rank %d of %d)", self._prefix(),
+                    self._group_rank, settings.group_world_size)
+
+    # -- state registration ----------------------------------------------------
+    def register_state_dict_fn(self, key: str, load_state_dict: Callable[[Any], None],
+                               state_dict: Callable[[], Any]) -> None:
+        """Register user state under ``key`` (e.g. one for the model, one for the optimizer).
+
+        Raises:
+            ValueError: ``key`` is already registered.
+        """
+        if key in self._load_fns:
+            raise ValueError(f"a state_dict function is already registered under {key!r}")
+        self._load_fns[key] = load_state_dict
+        self._save_fns[key] = state_dict
+
+    def _manager_state_dict(self) -> dict[str, Any]:
+        return {"user": {k: fn() for k, fn in self._save_fns.items()},
+                "torchft": self.state_dict()}
+
+    def state_dict(self) -> dict[str, int]:
+        """The Manager's own state: ``step`` and ``batches_committed``. Checkpoint it with yours."""
+        return {"step": self._step, "batches_committed": self._batches_committed}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self._step = int(state_dict["step"])
+        self._batches_committed = int(state_dict["batches_committed"])
+
+    # -- errors ------------------------------------------------------------------------
+    def report_error(self, e: Exception) -> None:
+        """Record an error: this step will not commit. Cleared by the next quorum."""
+        with self._lock:
+            if self._errored is None:
+                self._errored = ExceptionWithTraceback(e)
+        logger.warning("%s error recorded: %s", self._prefix(), e)
+
+    def errored(self) -> ExceptionWithTraceback | None:
+        """The first error recorded in this step, if any."""
+        return self._errored
+
+    def _on_member_failed(self, replica_id: str, reason: str) -> None:
+        """Failure news from the lighthouse: abort collectives that wait on the dead member.
+
+        Work still in flight fails (and so the step does not commit); work
+        that completed stays valid. The next quorum rebuilds the group.
+        """
+        if replica_id not in self._members or replica_id == self._replica_id:
+            return
+        logger.warning("%s lighthouse reports replica %s failed (%s): aborting the process "
+                       "group", self._prefix(), replica_id, reason)
+        self._pg_broken = True
+        self._pg.abort()
+
+    # -- the quorum --------------------------------------------------------------------
+    def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False,
+                     timeout: timedelta | None = None) -> None:
+        """Start this step's quorum (in the background unless ``use_async_quorum=False``).
+
+        Args:
+            allow_heal: heal (or serve peers) if needed; with False this
+                replica only joins the up-to-date set.
+            shrink_only: ask that no new replica group join this quorum.
+            timeout: overrides the quorum timeout for this round.
+
+        Raises:
+            Exception: the previous quorum's misuse error, or (synchronous
+                mode) this quorum's failure.
+        """
+        if self._quorum_future is not None:
+            self._quorum_future.result()
+        self._errored = None
+        self._healing = False
+        self._quorum_future = self._executor.submit(
+            self._async_quorum, allow_heal, shrink_only, timeout or self._settings.quorum_timeout)
+        if not self._use_async_quorum:
+            self.wait_quorum()
+            if self._healing:
+                self._apply_pending_state()
+
+    def wait_quorum(self) -> None:
+        """Block until the quorum started by :meth:`start_quorum` is done.
+
+        Raises:
+            RuntimeError: :meth:`start_quorum` was never called.
+            ValueError: healing is needed but no state_dict function is registered.
+            TimeoutError: the quorum did not form in time.
+        """
+        if self._quorum_future is None:
+            raise RuntimeError("wait_quorum() called before start_quorum(): call "
+                               "start_quorum() (or OptimizerWrapper.zero_grad()) first")
+        self._quorum_future.result()
+
+    def _async_quorum(self, allow_heal: bool, shrink_only: bool, timeout: timedelta) -> None:
+        start = time.perf_counter()
+        data = None
+        if self._fingerprint_due and self._save_fns:
+            data = fingerprint({"user": {k: fn() for k, fn in self._save_fns.items()}})
+            self._fingerprint_due = False
+        quorum = self._client.quorum(
+            group_rank=self._group_rank, step=self._step,
+            checkpoint_metadata=self._transport.metadata(), shrink_only=shrink_only,
+            init_sync=self._init_sync, commit_failures=self._commit_failures,
+            timeout=timeout, fingerprint=data,
+        )
+        quorum_s = time.perf_counter() - start
+        if quorum.divergence:
+            self.report_error(CommunicationError(quorum.divergence))
+        self._set_participation(quorum, allow_heal)
+        reconfigure_s = 0.0
+        if quorum.quorum_id != self._quorum_id or self._pg_broken:
+            start = time.perf_counter()
+            self._quorum_id = quorum.quorum_id
+            self._members = list(quorum.replica_ids)
+            store = f"{quorum.store_address}/ftdist/{quorum.quorum_id}-{quorum.created_ns}/" \
+                    f"{self._group_rank}"
+            try:
+                self._pg.configure(store, quorum.replica_rank, quorum.replica_world_size)
+            except Exception as exc:
+                self.report_error(exc)
+                return
+            self._pg_broken = False
+            reconfigure_s = time.perf_counter() - start
+            logger.info("%s reconfigured for quorum %d: %d replica groups %s", self._prefix(),
+                        quorum.quorum_id, quorum.replica_world_size, quorum.replica_ids)
+            # Replicas that just (re)joined must agree on their state: compare
+            # fingerprints at the next quorum.
+            self._fingerprint_due = True
+        if not allow_heal:
+            return
+        needs_state = quorum.heal or bool(quorum.recover_dst_replica_ranks)
+        if needs_state and not self._save_fns:
+            raise ValueError("healing is needed but no state_dict function is registered: pass "
+                             "load_state_dict/state_dict to Manager or call "
+                             "register_state_dict_fn()")
+        try:
+            if quorum.recover_dst_replica_ranks:
+                self._serve_state(quorum, quorum_s, reconfigure_s)
+            if quorum.heal:
+                self._receive_state(quorum, quorum_s, reconfigure_s)
+        except Exception as exc:
+            self.report_error(exc)
+
+    def _set_participation(self, quorum: QuorumResult, allow_heal: bool) -> None:
+        if self._use_async_quorum or not allow_heal:
+            rank, world = quorum.max_replica_rank, quorum.max_world_size
+        else:
+            rank, world = quorum.replica_rank, quorum.replica_world_size
+        if self._world_size_mode == WorldSizeMode.FIXED_WITH_SPARES:
+            world = min(world, self._min_replica_size)
+            if rank is not None and rank >= self._min_replica_size:
+                rank = None
+        self._participating_rank, self._participating_world_size = rank, world
+
+    def _serve_state(self, quorum: QuorumResult, quorum_s: float, reconfigure_s: float) -> None:
+        timeline = HealTimeline(quorum.max_step, quorum.quorum_id, "send",
+                                list(quorum.recover_dst_replica_ranks), quorum_s, reconfigure_s)
+        start = time.perf_counter()
+        self._transport.send_checkpoint(list(quorum.recover_dst_replica_ranks), quorum.max_step,
+                                        self._manager_state_dict(), self._settings.timeout)
+        stats = self._transport.last_transfer
+        timeline.transfer_s = time.perf_counter() - start
+        timeline.transfer_bytes = stats.nbytes if stats is not None else 0
+        self.heal_timelines.append(timeline)
+
+    def _receive_state(self, quorum: QuorumResult, quorum_s: float, reconfigure_s: float) -> None:
+        assert quorum.recover_src_replica_rank is not None
+        self._healing = True
+        timeline = HealTimeline(quorum.max_step, quorum.quorum_id, "receive",
+                                [quorum.recover_src_replica_rank], quorum_s, reconfigure_s)
+        start = time.perf_counter()
+        metadata = self._source_client(quorum.recover_src_manager_address).checkpoint_metadata(
+            self._group_rank, self._settings.timeout)
+        state = self._transport.recv_checkpoint(quorum.recover_src_replica_rank, metadata,
+                                                quorum.max_step, self._settings.timeout)
+        timeline.transfer_s = time.perf_counter() - start
+        stats = self._transport.last_transfer
+        timeline.transfer_bytes = stats.nbytes if stats is not None else 0
+        self._pending_state = cast(dict, state)
+        self.load_state_dict(self._pending_state["torchft"])
+        self._step = quorum.max_step
+        self._timeline = timeline
+
+    def _source_client(self, address: str) -> ManagerClient:
+        # Kept open: closing a gRPC channel blocks for ~200 ms, which would
+        # land on every heal.
+        client = self._source_clients.get(address)
+        if client is None:
+            client = ManagerClient(address, self._settings.connect_timeout)
+            self._source_clients[address] = client
+        return client
+
+    def _apply_pending_state(self) -> None:
+        """Load a received state into the user's objects, from the training thread."""
+        self.wait_quorum()
+        pending, self._pending_state = self._pending_state, None
+        if pending is None:
+            assert self._errored is not None, "healing without state or error"
+            return
+        start = time.perf_counter()
+        for key, load in self._load_fns.items():
+            load(pending["user"][key])
+        timeline = self._timeline
+        if timeline is not None:
+            timeline.load_s = time.perf_counter() - start
+            self.heal_timelines.append(timeline)
+            logger.info("%s %s", self._prefix(), timeline.summary())
+            self._timeline = None
+        self._healing = False
+
+    # -- the step ---------------------------------------------------------------------------
+    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False,
+                  reduce_op: dist.ReduceOp.RedOpType = dist.ReduceOp.AVG) -> dist.Work:
+        """Fault-tolerant allreduce of ``tensor`` over the participating replicas.
+
+        ``AVG`` divides by the number of participants. A replica that is
+        healing (or a spare) contributes zeros. Errors are recorded, never
+        raised: the returned work's ``wait()`` returns False and its future
+        resolves to the tensor as it is.
+
+        Raises:
+            ValueError: ``AVG`` of a non-floating-point tensor.
+        """
+        if self._errored is not None:
+            return _DummyWork(tensor)
+        self.wait_quorum()
+        participants = self.num_participants()
+        if not self.is_participating():
+            tensor.zero_()
+        op = reduce_op
+        divisor = None
+        if reduce_op == dist.ReduceOp.AVG:
+            if not tensor.is_floating_point():
+                raise ValueError(f"ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}")
+            op, divisor = dist.ReduceOp.SUM, participants
+        try:
+            work = self._pg.allreduce([tensor], op)
+        except Exception as exc:
+            self.report_error(exc)
+            return _DummyWork(tensor)
+        return _ManagedWork(self, work, tensor, divisor)
+
+    def should_commit(self, timeout: timedelta | None = None) -> bool:
+        """Vote on this step with the other ranks of the replica group.
+
+        Applies a received state first. Returns True if every rank can
+        commit: enough replicas participated and no error was recorded.
+
+        Raises:
+            RuntimeError: more than ``max_retries`` consecutive steps failed.
+        """
+        pg_error = self._pg.errored()
+        # An abort on failure news is not an error of this step by itself:
+        # collectives it cut short reported their own errors.
+        if pg_error is not None and not (self._pg_broken
+                                         and isinstance(pg_error, ProcessGroupAbortedError)):
+            self.report_error(pg_error)
+        if self._healing:
+            self._apply_pending_state()
+        else:
+            self.wait_quorum()
+        enough = self.num_participants() >= self._min_replica_size
+        local = enough and self._errored is None
+        decision = self._client.should_commit(self._group_rank, self._step, local,
+                                              timeout or self._settings.timeout)
+        self._transport.disallow_checkpoint()
+        logger.debug("%s commit vote %s -> %s", self._prefix(), local, decision)
+        if decision:
+            self._step += 1
+            self._batches_committed += self.num_participants()
+            self._commit_failures = 0
+        else:
+            self._commit_failures += 1
+            if self._max_retries is not None and self._commit_failures > self._max_retries:
+                raise RuntimeError(f"should_commit failed {self._commit_failures} times in a row, "
+                                   f"more than max_retries={self._max_retries}; last error: "
+                                   f"{self._errored}")
+        return decision
+
+    # -- accessors ---------------------------------------------------------------------------
+    def current_step(self) -> int:
+        """The number of committed steps (a heal jumps it to the source's)."""
+        return self._step
+
+    def batches_committed(self) -> int:
+        """Sum of participants over committed steps."""
+        return self._batches_committed
+
+    def participating_rank(self) -> int | None:
+        """This replica's rank among the participants, or None (healing, spare, no quorum)."""
+        if self._quorum_future is None:
+            return None
+        self.wait_quorum()
+        return self._participating_rank
+
+    def num_participants(self) -> int:
+        """How many replica groups take part in this step (0 before the first quorum)."""
+        if self._quorum_future is None:
+            return 0
+        self.wait_quorum()
+        return self._participating_world_size
+
+    def is_participating(self) -> bool:
+        """False while healing or as a spare: this replica contributes zeros."""
+        if self.participating_rank() is None:
+            return False
+        return not (self._healing and self._use_async_quorum)
+
+    def replica_id(self) -> str:
+        """This replica group's full id (with its uuid)."""
+        return self._replica_id
+
+    def quorum_id(self) -> int:
+        """The id of the quorum the process group is configured for (-1 before any)."""
+        return self._quorum_id
+
+    def _prefix(self) -> str:
+        return f"[{getattr(self, '_replica_id', '?')}/{self._group_rank} - step {self._step}]"
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the server (group rank 0), the transport and background threads.
+
+        The process group is the caller's and is left alone.
+        """
+        self._news.close()
+        self._transport.shutdown(wait)
+        self._executor.shutdown(wait=wait, cancel_futures=True)
+        self._client.close()
+        for client in self._source_clients.values():
+            client.close()
+        if self._server is not None:
+            self._server.shutdown()
+        self._own_store = None
+
+
+__all__ = ["ExceptionWithTraceback", "Manager", "WorldSizeMode"]

@@ -1,0 +1,155 @@
+"""
+Starting a Manager: the replica group's store, server, client and news
+=======================================================================
+
+Group rank 0 starts the replica group's :class:`ManagerServer` and publishes
+its address in the replica group's store; every rank reads it and connects.
+Store keys live under the torchelastic restart count, so ranks restarted by
+torchrun never read the address of the server that died with the previous
+attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from ftdist.coordination.lighthouse_client import LighthouseClient
+from ftdist.coordination.manager_client import ManagerClient
+from ftdist.coordination.manager_server import ManagerServer
+from ftdist.manager_settings import ManagerSettings
+
+logger = logging.getLogger(__name__)
+
+
+class FailureNews:
+    """Follows the lighthouse's failure-news stream on a thread.
+
+    Args:
+        lighthouse_addr: the lighthouse (None: no news, e.g. a torchft lighthouse).
+        replica_id: this replica group's id; the lighthouse counts this
+            stream's end as the group's death.
+        on_failed: called with ``(replica_id, reason)`` for each dead member.
+        connect_timeout: per connection attempt.
+    """
+
+    def __init__(self, lighthouse_addr: str | None, replica_id: str,
+                 on_failed: Callable[[str, str], None], connect_timeout: Any) -> None:
+        self._addr = lighthouse_addr
+        self._replica_id = replica_id
+        self._on_failed = on_failed
+        self._connect_timeout = connect_timeout
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._stream: Any = None
+        self._client: LighthouseClient | None = None
+        self._thread: threading.Thread | None = None
+        if lighthouse_addr:
+            self._thread = threading.Thread(target=self._run, name="ftdist-news", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        backoff = 0.1
+        while not self._closed.is_set():
+            try:
+                client = LighthouseClient(self._addr or "", self._connect_timeout)
+                with self._lock:
+                    if self._closed.is_set():
+                        client.close()
+                        return
+                    self._client = client
+                    self._stream = client.subscribe(self._replica_id)
+                    stream = self._stream
+                backoff = 0.1
+                for event in stream:
+                    if event.kind == "member_failed":
+                        self._on_failed(event.replica_id, event.reason)
+            except Exception as exc:
+                if self._closed.is_set():
+                    return
+                logger.info("failure news stream interrupted (%s); reconnecting", exc)
+            finally:
+                with self._lock:
+                    if self._client is not None:
+                        self._client.close()
+                    self._client, self._stream = None, None
+            self._closed.wait(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+    def close(self) -> None:
+        """Stop following the stream; joins the thread."""
+        self._closed.set()
+        with self._lock:
+            if self._stream is not None:
+                self._stream.close()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+
+@dataclass
+class Bootstrap:
+    """What a Manager needs from its replica group."""
+
+    store: dist.Store
+    own_store: dist.TCPStore | None
+    server: ManagerServer | None
+    client: ManagerClient
+    replica_id: str
+    lighthouse_addr: str | None
+    connect_timeout: Any
+
+    def start_news(self, on_failed: Callable[[str, str], None]) -> FailureNews:
+        """Follow the lighthouse's failure news, calling ``on_failed`` per dead member."""
+        return FailureNews(self.lighthouse_addr, self.replica_id, on_failed, self.connect_timeout)
+
+
+def bootstrap(settings: ManagerSettings, replica_id: str | None) -> Bootstrap:
+    """Connect to (or host) the replica group's store, start the server on rank 0, connect.
+
+    Raises:
+        RuntimeError: the store or the server is unreachable.
+        CoordinationError: the lighthouse is unreachable (rank 0).
+    """
+    own: dist.TCPStore | None = None
+    if settings.store_addr is None:
+        own = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
+                            timeout=settings.connect_timeout)
+        tcp: dist.Store = own
+        advertised = f"{settings.hostname}:{own.port}"
+    else:
+        tcp = dist.TCPStore(settings.store_addr, int(settings.store_port or 0), is_master=False,
+                            wait_for_workers=False, timeout=settings.connect_timeout)
+        advertised = f"{settings.store_addr}:{settings.store_port}"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"ftdist/manager/{attempt}", tcp)
+
+    server = None
+    if settings.group_rank == 0:
+        full_id = f"{replica_id}:{uuid.uuid4()}" if replica_id else str(uuid.uuid4())
+        assert settings.lighthouse_addr
+        server = ManagerServer(
+            replica_id=full_id, lighthouse_addr=settings.lighthouse_addr,
+            hostname=settings.hostname, bind=f"[::]:{settings.port}", store_addr=advertised,
+            world_size=settings.group_world_size, heartbeat_interval=settings.heartbeat_interval,
+            connect_timeout=settings.connect_timeout, quorum_retries=settings.quorum_retries,
+        )
+        store.set("manager_addr", server.address())
+        store.set("replica_id", full_id)
+        store.set("lighthouse_addr", settings.lighthouse_addr)
+    manager_addr = store.get("manager_addr").decode()
+    full_id = store.get("replica_id").decode()
+    lighthouse = settings.lighthouse_addr or store.get("lighthouse_addr").decode() or None
+    try:
+        client = ManagerClient(manager_addr, settings.connect_timeout)
+    except Exception:
+        if server is not None:
+            server.shutdown()
+        raise
+    return Bootstrap(store, own, server, client, full_id, lighthouse, settings.connect_timeout)

@@ -1,0 +1,157 @@
+"""
+Manager settings
+================
+
+Every knob of the :class:`~ftdist.manager.Manager` is resolved here, once, in
+one order: an explicit argument, then the environment, then the default.
+Environment variables are read under their ``FTDIST_*`` names first and
+their ``TORCHFT_*`` names second, so torchft launch scripts keep working;
+``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` come from torchrun.
+
+| setting | argument | environment | default |
+|---|---|---|---|
+| timeout | ``timeout`` | ``FTDIST_TIMEOUT_SEC`` | 60 s |
+| quorum timeout | ``quorum_timeout`` | ``FTDIST_QUORUM_TIMEOUT_SEC`` | 60 s |
+| connect timeout | ``connect_timeout`` | ``FTDIST_CONNECT_TIMEOUT_SEC`` | 60 s |
+| quorum retries | ``quorum_retries`` | ``FTDIST_QUORUM_RETRIES`` | 0 |
+| lighthouse | ``lighthouse_addr`` | ``FTDIST_LIGHTHOUSE`` | required |
+| manager port | ``port`` | ``FTDIST_MANAGER_PORT`` | 0 (any free port) |
+| group rank | ``rank`` | ``RANK`` | 0 |
+| group world size | ``world_size`` | ``WORLD_SIZE`` | 1 |
+| store | ``store_addr``/``store_port`` | ``MASTER_ADDR``/``MASTER_PORT`` | a store of its own (group world size 1 only) |
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+DEFAULT_TIMEOUT = timedelta(seconds=60)
+
+
+def _env(env: Mapping[str, str], name: str) -> str | None:
+    for prefix in ("FTDIST_", "TORCHFT_"):
+        value = env.get(prefix + name)
+        if value not in (None, ""):
+            return value
+    return None
+
+
+def _duration(name: str, value: Any, env: Mapping[str, str], env_name: str,
+              default: timedelta) -> timedelta:
+    if value is None:
+        raw = _env(env, env_name)
+        if raw is None:
+            return default
+        try:
+            value = timedelta(seconds=float(raw))
+        except ValueError:
+            raise ValueError(f"environment variable FTDIST_/TORCHFT_{env_name}={raw!r} is not "
+                             "a number of seconds") from None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = timedelta(seconds=float(value))
+    if not isinstance(value, timedelta):
+        raise TypeError(f"{name} must be a datetime.timedelta, got {value!r}")
+    if value <= timedelta(0):
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
+def _int(name: str, value: Any, env: Mapping[str, str], env_names: tuple[str, ...],
+         default: int | None) -> int | None:
+    if value is None:
+        for env_name in env_names:
+            raw = env.get(env_name)
+            if raw not in (None, ""):
+                try:
+                    return int(raw)  # type: ignore[arg-type]
+                except ValueError:
+                    raise ValueError(f"environment variable {env_name}={raw!r} is not an "
+                                     "integer") from None
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ManagerSettings:
+    """The resolved settings of one Manager (see the module table)."""
+
+    timeout: timedelta
+    quorum_timeout: timedelta
+    connect_timeout: timedelta
+    quorum_retries: int
+    lighthouse_addr: str | None
+    port: int
+    group_rank: int
+    group_world_size: int
+    store_addr: str | None
+    store_port: int | None
+    hostname: str
+    heartbeat_interval: timedelta
+
+    @classmethod
+    def resolve(
+        cls,
+        *,
+        timeout: Any = None,
+        quorum_timeout: Any = None,
+        connect_timeout: Any = None,
+        quorum_retries: Any = None,
+        lighthouse_addr: str | None = None,
+        port: Any = None,
+        rank: Any = None,
+        world_size: Any = None,
+        store_addr: str | None = None,
+        store_port: Any = None,
+        hostname: str | None = None,
+        heartbeat_interval: Any = None,
+        env: Mapping[str, str] | None = None,
+    ) -> ManagerSettings:
+        """Resolve every setting: argument > environment > default.
+
+        Raises:
+            TypeError: an argument has the wrong type.
+            ValueError: a value is out of range or an environment variable is
+                malformed; the message names it.
+        """
+        env = os.environ if env is None else env
+        group_world_size = _int("world_size", world_size, env, ("WORLD_SIZE",), 1)
+        group_rank = _int("rank", rank, env, ("RANK",), 0)
+        assert group_world_size is not None and group_rank is not None
+        if group_world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {group_world_size}")
+        if not 0 <= group_rank < group_world_size:
+            raise ValueError(f"rank must be in [0, {group_world_size}), got {group_rank}")
+        retries = _int("quorum_retries", quorum_retries, env,
+                       ("FTDIST_QUORUM_RETRIES", "TORCHFT_QUORUM_RETRIES"), 0)
+        mport = _int("port", port, env, ("FTDIST_MANAGER_PORT", "TORCHFT_MANAGER_PORT"), 0)
+        sport = _int("store_port", store_port, env, ("MASTER_PORT",), None)
+        saddr = store_addr or env.get("MASTER_ADDR") or None
+        if (saddr is None) != (sport is None):
+            raise ValueError(f"store_addr and store_port go together, got {saddr!r} and {sport!r}")
+        if saddr is None and group_world_size > 1:
+            raise ValueError("a replica group of several ranks needs a shared store: pass "
+                             "store_addr/store_port or set MASTER_ADDR/MASTER_PORT (torchrun does)")
+        return cls(
+            timeout=_duration("timeout", timeout, env, "TIMEOUT_SEC", DEFAULT_TIMEOUT),
+            quorum_timeout=_duration("quorum_timeout", quorum_timeout, env,
+                                     "QUORUM_TIMEOUT_SEC", DEFAULT_TIMEOUT),
+            connect_timeout=_duration("connect_timeout", connect_timeout, env,
+                                      "CONNECT_TIMEOUT_SEC", DEFAULT_TIMEOUT),
+            quorum_retries=int(retries or 0),
+            lighthouse_addr=lighthouse_addr or _env(env, "LIGHTHOUSE"),
+            port=int(mport or 0),
+            group_rank=group_rank,
+            group_world_size=group_world_size,
+            store_addr=saddr,
+            store_port=sport,
+            hostname=hostname or socket.gethostname(),
+            heartbeat_interval=_duration("heartbeat_interval", heartbeat_interval, {}, "",
+                                         timedelta(milliseconds=100)),
+        )

@@ -1,0 +1,163 @@
+"""A small fault-tolerant training loop run by the Manager tests, in real processes.
+
+Process ``i`` of a harness run is group rank ``i % group_size`` of replica
+group ``i // group_size``. Each replica group hosts its own TCPStore (its
+"torchrun" store) in group rank 0 and publishes the port in the harness
+store. Every replica starts from different random weights; ``init_sync``
+heals them all from one primary at step 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ftdist.testing import RankContext
+
+
+def model_and_optim(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def state_hash(model: nn.Module, optim: torch.optim.Optimizer) -> str:
+    h = hashlib.sha256()
+    for t in list(model.state_dict().values()):
+        h.update(t.detach().numpy().tobytes())
+    for st in optim.state_dict()["state"].values():
+        for v in st.values():
+            h.update(v.numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
+    return h.hexdigest()[:16]
+
+
+def batch(step: int, replica: int, group_rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step * 1000 + replica * 10 + group_rank)
+    return torch.randn(16, 8, generator=g)
+
+
+def _die_while_serving(ctx: RankContext, manager: Any) -> None:
+    """SIGKILL this process while a peer streams its state (first server only)."""
+    import threading
+
+    def watch() -> None:
+        lock = manager._transport._lock
+        while True:
+            if lock._readers > 0:
+                if int(ctx.store().add("served_death", 1)) == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return
+            time.sleep(0.0005)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _replica_store(ctx: RankContext, replica: int, group_rank: int, attempt: int
+                   ) -> tuple[dist.TCPStore | None, int]:
+    harness = ctx.store()
+    key = f"replica{replica}/attempt{attempt}/store_port"
+    if group_rank == 0:
+        own = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        harness.set(key, str(own.port))
+        return own, own.port
+    return None, int(harness.get(key))
+
+
+def train(ctx: RankContext, lighthouse: str, group_size: int, steps: int,
+          actions_by_rank: dict[int, dict[str, Any]] | None = None, attempt: int = 0,
+          pg_kind: str = "gloo", transport: str = "http") -> dict[str, Any]:
+    """Train until ``steps`` steps are committed; return what the test checks.
+
+    ``actions_by_rank[rank]``: ``{"die_at_step": n}`` SIGKILLs this process once the manager
+    reaches step n (mid-allreduce when ``"mid_allreduce"`` is set);
+    ``{"die_during_heal": True}`` SIGKILLs it while it receives a heal.
+    """
+    from ftdist.checkpointing import PGTransport
+    from ftdist.ddp import DistributedDataParallel
+    from ftdist.manager import Manager
+    from ftdist.optim import OptimizerWrapper
+    from ftdist.process_group import ProcessGroupBabyGloo, ProcessGroupGloo
+
+    actions = (actions_by_rank or {}).get(ctx.rank, {})
+    if os.environ.get("FTDIST_LOG"):
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s r{ctx.rank} %(name)s: %(message)s")
+    replica, group_rank = divmod(ctx.rank, group_size)
+    own_store, port = _replica_store(ctx, replica, group_rank, attempt)
+    model, optim = model_and_optim(seed=100 * replica + 7 * attempt + group_rank)
+    timeout = timedelta(seconds=actions.get("timeout_s", 10))
+    pg = ProcessGroupGloo(timeout=timeout) if pg_kind == "gloo" else ProcessGroupBabyGloo(timeout)
+
+    ballast = torch.zeros(int(actions.get("ballast_mb", 0) * 2**20) // 4)
+
+    def load(sd: dict[str, Any]) -> None:
+        if actions.get("die_during_heal"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        model.load_state_dict(sd["model"])
+        optim.load_state_dict(sd["optim"])
+        ballast.copy_(sd["ballast"])
+
+    committed: list[int] = []
+    manager = Manager(
+        pg=pg, load_state_dict=load,
+        state_dict=lambda: {"model": model.state_dict(), "optim": optim.state_dict(),
+                            "ballast": ballast},
+        min_replica_size=1, replica_id=f"replica{replica}", lighthouse_addr=lighthouse,
+        rank=group_rank, world_size=group_size, store_addr="127.0.0.1", store_port=port,
+        hostname="127.0.0.1", timeout=timeout, quorum_timeout=timedelta(seconds=30),
+        connect_timeout=timedelta(seconds=10),
+        checkpoint_transport=PGTransport(pg, timeout) if transport == "pg" else None,
+    )
+    if actions.get("die_while_serving"):
+        _die_while_serving(ctx, manager)
+    ddp = DistributedDataParallel(manager, model)
+    opt = OptimizerWrapper(manager, optim)
+    loss_fn = nn.MSELoss()
+    attempts = 0
+    try:
+        while manager.current_step() < steps:
+            attempts += 1
+            step = manager.current_step()
+            if actions.get("die_at_step") == step and not actions.get("mid_allreduce"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            opt.zero_grad()
+            x = batch(step, replica, group_rank)
+            loss = loss_fn(ddp(x), x.sum(dim=1, keepdim=True))
+            if actions.get("die_at_step") == step and actions.get("mid_allreduce"):
+                manager.wait_quorum()
+                os.kill(os.getpid(), signal.SIGKILL)
+            loss.backward()
+            before = manager.current_step()
+            opt.step()
+            if manager.current_step() > before:
+                committed.append(before)
+            if actions.get("step_sleep_s"):
+                time.sleep(actions["step_sleep_s"])
+        # Leave together: a replica that exits while a peer still finishes its
+        # last allreduce would look like a failure to that peer.
+        harness = ctx.store()
+        harness.add(f"done/{steps}", 1)
+        deadline = time.monotonic() + 60
+        while int(harness.add(f"done/{steps}", 0)) < actions.get("finishers", ctx.world_size):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        return {
+            "replica": replica, "group_rank": group_rank, "hash": state_hash(model, optim),
+            "step": manager.current_step(), "batches": manager.batches_committed(),
+            "committed": committed, "attempts": attempts,
+            "heals": [t.as_dict() for t in manager.heal_timelines],
+        }
+    finally:
+        manager.shutdown()
+        pg.shutdown()
+        del own_store

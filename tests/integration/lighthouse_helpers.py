@@ -1,0 +1,108 @@
+"""Shared helpers for the lighthouse integration tests: servers on port 0,
+clients that are always closed, threads that are always joined."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from ftdist.coordination import LighthouseClient, LighthouseServer, Quorum
+
+TIMEOUT = 20.0  # seconds; generous, only hit when something is broken
+
+
+class Lighthouses:
+    """Starts lighthouses and clients for one test, and closes them all."""
+
+    def __init__(self) -> None:
+        self.servers: list[LighthouseServer] = []
+        self.clients: list[LighthouseClient] = []
+
+    def server(self, **kwargs: Any) -> LighthouseServer:
+        kwargs.setdefault("bind", "127.0.0.1:0")
+        kwargs.setdefault("min_replicas", 1)
+        kwargs.setdefault("http_port", -1)
+        server = LighthouseServer(**kwargs)
+        self.servers.append(server)
+        return server
+
+    def client(self, server_or_addr: LighthouseServer | str, connect_timeout: float = 10.0) -> LighthouseClient:
+        addr = server_or_addr if isinstance(server_or_addr, str) else server_or_addr.address()
+        client = LighthouseClient(addr, connect_timeout)
+        self.clients.append(client)
+        return client
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+        for server in self.servers:
+            server.shutdown()
+
+
+@contextmanager
+def pool(workers: int) -> Iterator[concurrent.futures.ThreadPoolExecutor]:
+    """A thread pool that is joined before the test ends."""
+    executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="test-worker")
+    try:
+        yield executor
+    finally:
+        executor.shutdown(wait=True, cancel_futures=True)
+
+
+def quorum_round(
+    client: LighthouseClient, replica_ids: list[str], timeout: float = TIMEOUT, **kwargs: Any
+) -> dict[str, Quorum]:
+    """Ask for a quorum for every replica at once and return each answer."""
+    with pool(len(replica_ids)) as executor:
+        futures = {
+            rid: executor.submit(client.quorum, rid, timeout, **kwargs) for rid in replica_ids
+        }
+        return {rid: future.result(timeout + 5) for rid, future in futures.items()}
+
+
+def member_ids(quorum: Quorum) -> list[str]:
+    return [m.replica_id for m in quorum.participants]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = TIMEOUT, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or predicate}")
+        time.sleep(0.02)
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=TIMEOUT) as response:
+        return json.loads(response.read())
+
+
+class Heartbeater:
+    """Heartbeats some replica ids from a thread until stopped."""
+
+    def __init__(self, client: LighthouseClient, replica_ids: list[str], period: float = 0.05) -> None:
+        self._client = client
+        self._ids = list(replica_ids)
+        self._period = period
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="test-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for rid in self._ids:
+                try:
+                    self._client.heartbeat(rid, timeout=2.0)
+                except Exception:
+                    pass  # the lighthouse may be going down in this test
+            self._stop.wait(self._period)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -1,0 +1,101 @@
+"""Lighthouse settings: precedence, validation, address parsing."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from ftdist.coordination._rpc import grpc_target, to_seconds
+from ftdist.coordination.config import CLI_DEFAULTS, resolve_lighthouse_config
+
+
+def test_explicit_beats_environment_beats_default() -> None:
+    env = {
+        "FTDIST_LIGHTHOUSE_MIN_REPLICAS": "3",
+        "FTDIST_LIGHTHOUSE_JOIN_TIMEOUT_MS": "2500",
+        "FTDIST_LIGHTHOUSE_KILL_TOKEN": "from-env",
+    }
+    config = resolve_lighthouse_config(environ=env, min_replicas=5)
+    assert config.min_replicas == 5
+    assert config.join_timeout == timedelta(milliseconds=2500)
+    assert config.kill_token == "from-env"
+    assert config.quorum_tick == timedelta(milliseconds=100)
+    assert config.heartbeat_timeout == timedelta(seconds=5)
+    assert config.bind == "[::]:29510"
+    assert config.http_port == 0
+
+
+def test_api_and_cli_defaults_differ_like_torchft() -> None:
+    api = resolve_lighthouse_config(environ={}, min_replicas=1)
+    cli = resolve_lighthouse_config(environ={}, defaults=CLI_DEFAULTS, min_replicas=1)
+    assert api.join_timeout == timedelta(milliseconds=100)
+    assert cli.join_timeout == timedelta(seconds=60)
+    assert cli.http_port == 29511
+
+
+def test_timedelta_and_disabled_dashboard() -> None:
+    config = resolve_lighthouse_config(
+        environ={}, min_replicas=1, heartbeat_timeout_ms=timedelta(seconds=2), http_port=-1
+    )
+    assert config.heartbeat_timeout == timedelta(seconds=2)
+    assert config.http_port is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({}, "min_replicas is required"),
+        ({"min_replicas": 0}, "min_replicas (0)"),
+        ({"min_replicas": "two"}, "min_replicas ('two')"),
+        ({"min_replicas": 1, "quorum_tick_ms": 0}, "quorum_tick"),
+        ({"min_replicas": 1, "heartbeat_timeout_ms": -5}, "heartbeat_timeout"),
+        ({"min_replicas": 1, "join_timeout_ms": "soon"}, "join_timeout_ms"),
+        ({"min_replicas": 1, "bind": "nowhere"}, "bind"),
+        ({"min_replicas": 1, "http_port": 70000}, "http_port"),
+        ({"min_replicas": 1, "kill_token": ""}, "kill_token"),
+    ],
+)
+def test_invalid_settings_name_the_field(kwargs: dict[str, object], words: str) -> None:
+    with pytest.raises(ValueError) as info:
+        resolve_lighthouse_config(environ={}, **kwargs)
+    assert words in str(info.value)
+
+
+def test_invalid_environment_value_is_reported() -> None:
+    with pytest.raises(ValueError, match="min_replicas"):
+        resolve_lighthouse_config(environ={"FTDIST_LIGHTHOUSE_MIN_REPLICAS": "x"})
+
+
+def test_unknown_setting_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="minreplicas"):
+        resolve_lighthouse_config(environ={}, minreplicas=1)
+
+
+@pytest.mark.parametrize(
+    "address, target",
+    [
+        ("host:29510", "host:29510"),
+        ("http://host:29510", "host:29510"),
+        ("http://host:29510/", "host:29510"),
+        ("  10.0.0.1:1  ", "10.0.0.1:1"),
+        ("http://[::1]:5", "[::1]:5"),
+    ],
+)
+def test_addresses_accept_both_spellings(address: str, target: str) -> None:
+    assert grpc_target(address) == target
+
+
+@pytest.mark.parametrize("address", ["", "host", "http://host", "host:port", "https://host:1"])
+def test_bad_addresses_are_rejected(address: str) -> None:
+    with pytest.raises(ValueError):
+        grpc_target(address)
+
+
+def test_durations_take_timedelta_or_seconds() -> None:
+    assert to_seconds("t", timedelta(milliseconds=1500)) == 1.5
+    assert to_seconds("t", 2) == 2.0
+    with pytest.raises(ValueError):
+        to_seconds("t", 0)
+    with pytest.raises(TypeError):
+        to_seconds("t", "5")  # type: ignore[arg-type]
