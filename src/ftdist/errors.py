@@ -34,6 +34,10 @@ class BackendProcessError(CommunicationError):
     """The subprocess running a Baby process group died or stopped answering."""
 
 
+class StateDivergenceError(FtdistError):
+    """Replicas that should hold the same state do not; the step must not commit."""
+
+
 class CheckpointError(CommunicationError):
     """A live checkpoint transfer failed: wrong step, truncated or corrupted."""
 
@@ -62,4 +66,5 @@ __all__ = [
     "CoordinationTimeoutError",
     "FtdistError",
     "ProcessGroupAbortedError",
+    "StateDivergenceError",
 ]

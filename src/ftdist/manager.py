@@ -41,11 +41,11 @@ import torch.distributed as dist
 from ftdist.checkpointing import CheckpointTransport, HTTPTransport
 from ftdist.coordination.manager_client import ManagerClient
 from ftdist.coordination.manager_rule import QuorumResult
-from ftdist.errors import CommunicationError, FtdistError, ProcessGroupAbortedError
+from ftdist.errors import FtdistError, ProcessGroupAbortedError, StateDivergenceError
 from ftdist.manager_settings import ManagerSettings
 from ftdist.process_group import ProcessGroup
 from ftdist.process_group.work import _DummyWork
-from ftdist.recovery import HealTimeline, fingerprint
+from ftdist.recovery import HealTimeline, differing_parts, fingerprint
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -355,7 +355,9 @@ class Manager:
         )
         quorum_s = time.perf_counter() - start
         if quorum.divergence:
-            self.report_error(CommunicationError(quorum.divergence))
+            self.report_error(StateDivergenceError(quorum.divergence))
+            # Keep comparing until the replicas agree again.
+            self._fingerprint_due = True
         self._set_participation(quorum, allow_heal)
         reconfigure_s = 0.0
         if quorum.quorum_id != self._quorum_id or self._pg_broken:
@@ -448,8 +450,18 @@ class Manager:
             assert self._errored is not None, "healing without state or error"
             return
         start = time.perf_counter()
+        received = fingerprint({"user": pending["user"]})
         for key, load in self._load_fns.items():
             load(pending["user"][key])
+        # Whatever was received must now be what state_dict() returns: a
+        # load function that skips something (a scheduler, a learning rate)
+        # would otherwise leave this replica silently different.
+        loaded = fingerprint({"user": {k: fn() for k, fn in self._save_fns.items()}})
+        differ = differing_parts(received, loaded)
+        if differ:
+            self.report_error(StateDivergenceError(
+                f"the state loaded while healing does not match the state received: {differ} "
+                "differ; make load_state_dict restore everything state_dict returns"))
         timeline = self._timeline
         if timeline is not None:
             timeline.load_s = time.perf_counter() - start

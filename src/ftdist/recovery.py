@@ -26,9 +26,9 @@ from torch.utils._pytree import tree_flatten_with_path
 from ftdist.checkpointing._wire import crc_update
 
 # Parts are named by this many leading path components, e.g.
-# "default/optim/param_groups": fine enough to say what differs, coarse enough
+# "user/default/optim/param_groups": fine enough to say what differs, coarse enough
 # to stay a handful of numbers.
-PART_DEPTH = 3
+PART_DEPTH = 4
 
 
 @dataclass
@@ -94,6 +94,11 @@ def _path_name(path: tuple[Any, ...]) -> str:
         else:
             parts.append(str(entry))
     return "/".join(parts)
+
+
+def differing_parts(a: dict[str, int], b: dict[str, int]) -> list[str]:
+    """Names of the parts whose fingerprints differ (or exist on one side only)."""
+    return sorted(p for p in a.keys() | b.keys() if a.get(p) != b.get(p))
 
 
 def fingerprint(state: Any) -> dict[str, int]:

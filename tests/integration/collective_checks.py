@@ -50,6 +50,50 @@ for _op in ("SUM", "AVG", "MIN", "MAX", "PRODUCT"):
     _reduce(getattr(dist.ReduceOp, _op), _op)
 
 
+@check("reduce (AVG)")
+def _reduce_avg(pg: dist.ProcessGroup, rank: int, ws: int) -> None:
+    t = _val(rank)
+    dist.reduce(t, dst=0, op=dist.ReduceOp.AVG, group=pg)
+    if rank == 0:
+        _close(t, sum(range(1, ws + 1)) / ws)
+
+
+@check("reduce_scatter_tensor (AVG)")
+def _reduce_scatter_avg(pg: dist.ProcessGroup, rank: int, ws: int) -> None:
+    out = torch.zeros(4)
+    dist.reduce_scatter_tensor(out, torch.cat([_val(rank)] * ws), op=dist.ReduceOp.AVG, group=pg)
+    _close(out, sum(range(1, ws + 1)) / ws)
+
+
+@check("all_reduce_coalesced (AVG)")
+def _all_reduce_coalesced_avg(pg: dist.ProcessGroup, rank: int, ws: int) -> None:
+    ts = [_val(rank), _val(rank) * 3]
+    dist.all_reduce_coalesced(ts, op=dist.ReduceOp.AVG, group=pg)
+    _close(ts[1], 3 * sum(range(1, ws + 1)) / ws)
+
+
+@check("all_gather_into_tensor (coalesced)")
+def _all_gather_coalesced(pg: dist.ProcessGroup, rank: int, ws: int) -> None:
+    outs = [torch.zeros(ws * 4), torch.zeros(ws * 2)]
+    ins = [_val(rank), _val(rank, 2) * 10]
+    with dist._coalescing_manager(group=pg, async_ops=True) as cm:
+        dist.all_gather_into_tensor(outs[0], ins[0], group=pg)
+        dist.all_gather_into_tensor(outs[1], ins[1], group=pg)
+    cm.wait()
+    _close(outs[1], torch.arange(1, ws + 1, dtype=torch.float).repeat_interleave(2) * 10)
+
+
+@check("reduce_scatter_tensor (coalesced)")
+def _reduce_scatter_coalesced(pg: dist.ProcessGroup, rank: int, ws: int) -> None:
+    outs = [torch.zeros(4), torch.zeros(2)]
+    ins = [torch.cat([_val(rank)] * ws), torch.cat([_val(rank, 2)] * ws)]
+    with dist._coalescing_manager(group=pg, async_ops=True) as cm:
+        dist.reduce_scatter_tensor(outs[0], ins[0], group=pg)
+        dist.reduce_scatter_tensor(outs[1], ins[1], group=pg)
+    cm.wait()
+    _close(outs[1], sum(range(1, ws + 1)))
+
+
 @check("all_reduce (async_op=True)")
 def _all_reduce_async(pg: dist.ProcessGroup, rank: int, ws: int) -> None:
     t = _val(rank)

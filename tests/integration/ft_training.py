@@ -95,6 +95,9 @@ def train(ctx: RankContext, lighthouse: str, group_size: int, steps: int,
     own_store, port = _replica_store(ctx, replica, group_rank, attempt)
     model, optim = model_and_optim(seed=100 * replica + 7 * attempt + group_rank)
     timeout = timedelta(seconds=actions.get("timeout_s", 10))
+    commit_times: list[float] = []
+    corrupted: list[bool] = []
+    errors: list[str] = []
     pg = ProcessGroupGloo(timeout=timeout) if pg_kind == "gloo" else ProcessGroupBabyGloo(timeout)
 
     ballast = torch.zeros(int(actions.get("ballast_mb", 0) * 2**20) // 4)
@@ -105,6 +108,9 @@ def train(ctx: RankContext, lighthouse: str, group_size: int, steps: int,
         model.load_state_dict(sd["model"])
         optim.load_state_dict(sd["optim"])
         ballast.copy_(sd["ballast"])
+        if actions.get("stale_lr_on_heal"):
+            # The classic bug: a load function that forgets the schedule.
+            optim.param_groups[0]["lr"] = 0.5
 
     committed: list[int] = []
     manager = Manager(
@@ -116,6 +122,7 @@ def train(ctx: RankContext, lighthouse: str, group_size: int, steps: int,
         hostname="127.0.0.1", timeout=timeout, quorum_timeout=timedelta(seconds=30),
         connect_timeout=timedelta(seconds=10),
         checkpoint_transport=PGTransport(pg, timeout) if transport == "pg" else None,
+        max_retries=actions.get("max_retries"),
     )
     if actions.get("die_while_serving"):
         _die_while_serving(ctx, manager)
@@ -137,9 +144,21 @@ def train(ctx: RankContext, lighthouse: str, group_size: int, steps: int,
                 os.kill(os.getpid(), signal.SIGKILL)
             loss.backward()
             before = manager.current_step()
+            error = manager.errored()
             opt.step()
+            if manager.current_step() == before:
+                error = error or manager.errored()
+                errors.append(str(error).splitlines()[0] if error else "vote failed")
             if manager.current_step() > before:
                 committed.append(before)
+                commit_times.append(time.time())
+                served = any(t.role == "send" for t in manager.heal_timelines)
+                if actions.get("corrupt_after_heal") and served and not corrupted:
+                    # Silent corruption right after serving a heal: the next
+                    # quorum's fingerprint comparison must catch it.
+                    corrupted.append(True)
+                    with torch.no_grad():
+                        next(model.parameters()).add_(1e-3)
             if actions.get("step_sleep_s"):
                 time.sleep(actions["step_sleep_s"])
         # Leave together: a replica that exits while a peer still finishes its
@@ -154,7 +173,8 @@ def train(ctx: RankContext, lighthouse: str, group_size: int, steps: int,
         return {
             "replica": replica, "group_rank": group_rank, "hash": state_hash(model, optim),
             "step": manager.current_step(), "batches": manager.batches_committed(),
-            "committed": committed, "attempts": attempts,
+            "committed": committed, "attempts": attempts, "commit_times": commit_times,
+            "errors": errors,
             "heals": [t.as_dict() for t in manager.heal_timelines],
         }
     finally:

@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -145,15 +146,37 @@ def test_baby_child_crash_or_hang_is_an_op_error(how: str, expected: str) -> Non
     assert value == 5.0
 
 
-def _swallow(ctx: RankContext) -> tuple[bool, bool, list[float], list[float], bool, float]:
-    pg = ErrorSwallowingProcessGroupWrapper(ProcessGroupGloo(timeout=3))
-    pg.configure(ctx.addr("s0"), ctx.rank, ctx.world_size)
+def _hosts(ctx: RankContext, kind: str) -> list[float]:
+    pg = _make(kind, timeout=10)
+    out = []
+    for i, host in enumerate(["localhost", "[::1]", "127.0.0.1"]):
+        pg.configure(f"{host}:{ctx.store_port}/{ctx.prefix}/h{i}", ctx.rank, ctx.world_size)
+        t = torch.full((2,), float(ctx.rank + 1))
+        pg.allreduce([t]).wait()
+        out.append(float(t[0]))
+    pg.shutdown()
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", KINDS)
+def test_configure_accepts_hostname_ipv6_and_ipv4_store_addresses(kind: str) -> None:
+    assert run_ranks(_hosts, 2, kind, timeout=50) == [[3.0] * 3] * 2
+
+
+def _swallow(ctx: RankContext) -> tuple[Any, ...]:
+    inner = ProcessGroupGloo(timeout=3)
+    inner.configure(ctx.addr("s0"), ctx.rank, ctx.world_size)
+    pg = ErrorSwallowingProcessGroupWrapper(inner)
+    topology = (pg.rank(), pg.size())  # the wrapper reports the true rank
     pg.allreduce([torch.ones(2)]).wait()
     if ctx.rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     failed = torch.ones(2)
     ok = pg.allreduce([failed]).wait()  # the peer is dead: swallowed
-    had_error = pg.error() is not None
+    first = pg.error()
+    pg.report_error(RuntimeError("a later error"))
+    had_error = first is not None and pg.error() is first
     untouched = torch.full((2,), 7.0)
     fut = pg.allreduce([untouched]).get_future()
     skipped_done = fut.done()
@@ -162,7 +185,8 @@ def _swallow(ctx: RankContext) -> tuple[bool, bool, list[float], list[float], bo
     t = torch.full((1,), 2.0)
     pg.allreduce([t]).wait()
     pg.shutdown()
-    return ok, had_error, failed.tolist(), untouched.tolist(), skipped_done and cleared, float(t[0])
+    return (ok, had_error, failed.tolist(), untouched.tolist(), skipped_done and cleared,
+            float(t[0]), topology)
 
 
 @pytest.mark.timeout(40)
@@ -170,7 +194,8 @@ def test_error_swallowing_wrapper_records_first_error_and_skips_until_configure(
     with Ranks(_swallow, 2) as ranks:
         outcome = ranks.join(timeout=30, only=[0])[0]
     assert outcome.ok, outcome.error
-    ok, had_error, _failed, untouched, skipped_and_cleared, value = outcome.value
+    ok, had_error, _failed, untouched, skipped_and_cleared, value, topology = outcome.value
+    assert topology == (0, 2)
     assert ok is True
     assert had_error
     assert untouched == [7.0, 7.0]

@@ -99,3 +99,68 @@ def test_healing_source_killed_mid_transfer(lighthouse: str) -> None:
     bad = [o for o in alive if not o.ok]
     assert not bad, [o.error for o in bad]
     assert_consistent([o.value for o in alive], 40)
+
+
+@pytest.mark.timeout(45)
+def test_failure_news_aborts_the_collective_instead_of_waiting_out_the_timeout() -> None:
+    # Default collective timeout (60 s) and heartbeat timeout (5 s): only the
+    # lighthouse's failure news can get the survivor going within this
+    # test's 45 s limit. The recovery benchmark prints how long it took.
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=200)
+    try:
+        actions = {0: {"timeout_s": 60, "finishers": 1, **SLOW},
+                   1: {"timeout_s": 60, "die_at_step": 5, "mid_allreduce": True, **SLOW}}
+        with Ranks(train, 2, args=(server.address(), 1, 12, actions)) as ranks:
+            outcomes = ranks.join(timeout=40)
+    finally:
+        server.shutdown()
+    assert outcomes[1].exitcode == -9
+    survivor = outcomes[0]
+    assert survivor.ok, survivor.error
+    assert survivor.value["step"] == 12
+    # The step the victim died in failed; every other step committed once
+    # (from wherever the survivor started: it may have healed at step 0 or 1).
+    committed = survivor.value["committed"]
+    assert committed == list(range(committed[0], 12))
+    assert survivor.value["attempts"] == len(committed) + 1
+
+
+def _expect_raise(outcome: Any, *needles: str) -> None:
+    assert outcome.error is not None, f"rank {outcome.rank} should have raised: {outcome.value}"
+    for needle in needles:
+        assert needle in outcome.error, outcome.error[-2000:]
+
+
+@pytest.mark.timeout(90)
+def test_a_heal_that_loads_incompletely_is_reported_and_never_commits(lighthouse: str) -> None:
+    actions = {0: {**SLOW, "finishers": 1}, 1: {"die_at_step": 3, **SLOW}}
+    with Ranks(train, 2, args=(lighthouse, 1, 30, actions)) as ranks:
+        _wait_dead(ranks, [1])
+        ranks.restart(1, lighthouse, 1, 30, {1: {"stale_lr_on_heal": True, "max_retries": 2}}, 1)
+        outcomes = ranks.join(timeout=80)
+    assert outcomes[0].ok, outcomes[0].error
+    _expect_raise(outcomes[1], "should_commit failed 3 times", "StateDivergenceError",
+                  "user/default/optim/param_groups")
+
+
+@pytest.mark.timeout(90)
+def test_replicas_that_diverge_after_a_heal_are_caught_at_the_next_quorum(lighthouse: str) -> None:
+    # The survivor corrupts its own weights right after serving a heal; the
+    # fingerprints both replicas send with the next quorum differ, and
+    # neither may commit from then on.
+    actions = {0: {**SLOW, "corrupt_after_heal": True, "max_retries": 2},
+               1: {"die_at_step": 3, **SLOW}}
+    with Ranks(train, 2, args=(lighthouse, 1, 30, actions)) as ranks:
+        _wait_dead(ranks, [1])
+        ranks.restart(1, lighthouse, 1, 30, {1: {**SLOW, "max_retries": 2}}, 1)
+        outcomes = ranks.join(timeout=80)
+    # Whichever replica exhausts its retries first raises; the other saw the
+    # same divergence reported on its failed steps (and may then go on alone).
+    needle = "'user/default/model/0.weight' of group rank 0"
+    raised = [o for o in outcomes if o.error is not None]
+    assert raised, [o.value for o in outcomes]
+    for outcome in outcomes:
+        if outcome.error is not None:
+            _expect_raise(outcome, "replica state diverged after recovery", needle)
+        else:
+            assert any(needle in e for e in outcome.value["errors"]), outcome.value["errors"]

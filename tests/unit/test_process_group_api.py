@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
 import torch
@@ -195,6 +196,9 @@ class _FakeManager:
     def num_participants(self) -> int:
         return self.participants
 
+    def participating_rank(self) -> int | None:
+        return 1
+
 
 def test_managed_routes_allreduce_to_manager_and_reports_participants() -> None:
     manager = _FakeManager()
@@ -204,6 +208,7 @@ def test_managed_routes_allreduce_to_manager_and_reports_participants() -> None:
     assert t.item() == 10.0
     assert manager.calls == [(5.0, dist.ReduceOp.AVG)]
     assert pg.size() == 3 and dist.get_world_size(pg) == 3
+    assert pg.rank() == 1
     manager.participants = 2
     assert pg.size() == 2
     with pytest.raises(ValueError, match="exactly one tensor"):
@@ -212,10 +217,15 @@ def test_managed_routes_allreduce_to_manager_and_reports_participants() -> None:
     assert pg.getBackendName() == "ftdist-dummy"
 
 
-def test_wrapper_of_plain_group_cannot_reconfigure() -> None:
-    inner = ProcessGroupDummy(0, 1)
-    wrapper = ProcessGroupWrapper(pg=inner)
+def test_wrapper_of_plain_group_cannot_reconfigure(store: dist.TCPStore) -> None:
+    plain = torch.distributed.distributed_c10d.ProcessGroupGloo(
+        dist.PrefixStore("plain", store), 0, 1, timedelta(seconds=5))
+    wrapper = ProcessGroupWrapper(pg=plain)
     t = torch.ones(1)
     wrapper.allreduce([t]).wait()
+    with pytest.raises(TypeError, match="cannot be reconfigured"):
+        wrapper.configure(_addr(store), 0, 1)
+    wrapper.allreduce([t]).wait()  # the wrapped group still works
+    assert (wrapper.rank(), wrapper.size()) == (0, 1)
     with pytest.raises(TypeError, match=r"torch\.distributed\.ProcessGroup"):
         ProcessGroupWrapper(pg="nope")  # type: ignore[arg-type]

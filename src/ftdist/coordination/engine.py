@@ -368,6 +368,33 @@ class LighthouseEngine:
         """
         return compute_quorum(self._clock(), self.state, self.settings)
 
+    def member_disconnected(self, replica_id: str) -> None:
+        """A member's event stream broke: treat it as dead now, not after the heartbeat timeout.
+
+        A process that dies closes its connections at once, so this is the
+        fastest failure signal there is. The member's heartbeat is forgotten,
+        so the next quorum forms without it; if it is in fact alive (a
+        network blip), its next heartbeat makes it healthy again.
+
+        Raises:
+            Nothing.
+        """
+        current = self.current
+        if not replica_id or current is None or replica_id not in current.member_ids:
+            return
+        self.state.heartbeats.pop(replica_id, None)
+        if replica_id in self._failed_reported:
+            return
+        self._failed_reported.add(replica_id)
+        self.num_member_failures += 1
+        reason = "its connection to the lighthouse closed (process exited?)"
+        logger.warning("Member %s of quorum %d failed: %s", replica_id,
+                       current.quorum.quorum_id, reason)
+        self._publish(ftdist_pb2.MEMBER_FAILED, replica_id=replica_id, reason=reason)
+        # A round may be waiting only for this member: decide again now.
+        if self.state.participants:
+            self._evaluate(self._clock())
+
     def _report_dead_members(self, now: float) -> None:
         current = self.current
         if current is None:

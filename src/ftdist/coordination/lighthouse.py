@@ -394,5 +394,11 @@ class LighthouseServer:
         logger.debug("Event subscriber %r joined", message.replica_id)
         engine = self._engine
         stream = _EventStream(rpc, engine)
-        rpc.on_cancel(lambda: engine.unsubscribe(stream))
+        replica_id = message.replica_id
+
+        def cancelled() -> None:
+            engine.unsubscribe(stream)
+            engine.member_disconnected(replica_id)
+
+        rpc.on_cancel(cancelled)
         engine.subscribe(stream)

@@ -61,42 +61,56 @@ def parse_store_addr(store_addr: str) -> StoreAddress:
     return StoreAddress(host, port, prefix)
 
 
-# One client connection per store server, shared by every configure: a new
-# TCPStore connection costs a millisecond and, on hosts whose resolver drops
-# reverse lookups, an occasional multi-second stall.
-_CLIENTS: dict[tuple[str, int], dist.TCPStore] = {}
-_CLIENTS_LOCK = threading.Lock()
+class StoreClients:
+    """The store connections of one process group, reused across its configures.
 
+    A new TCPStore connection costs a millisecond and, on hosts whose
+    resolver drops reverse lookups, an occasional multi-second stall; a group
+    reconfigures against the same store again and again. Connections are not
+    shared between groups: a TCPStore client runs one request at a time, so
+    two groups in a rendezvous at once would block each other.
+    """
 
-def _client(host: str, port: int, timeout: timedelta, reuse: bool) -> dist.TCPStore:
-    key = (host, port)
-    with _CLIENTS_LOCK:
-        tcp = _CLIENTS.get(key) if reuse else None
-        if tcp is None:
-            tcp = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                timeout=timeout)
-            if reuse:
-                _CLIENTS[key] = tcp
-    tcp.set_timeout(timeout)
-    return tcp
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._clients: dict[tuple[str, int], dist.TCPStore] = {}
 
+    def client(self, store_addr: str, timeout: timedelta) -> dist.Store:
+        """A ``PrefixStore`` for ``store_addr`` on this group's connection.
 
-def forget_store_client(store_addr: str) -> None:
-    """Drop the shared connection to a store (after it failed), so the next use reconnects."""
-    addr = parse_store_addr(store_addr)
-    with _CLIENTS_LOCK:
-        _CLIENTS.pop((addr.host, addr.port), None)
+        Raises:
+            ValueError: malformed address.
+            RuntimeError: the store is unreachable within ``timeout``.
+        """
+        addr = parse_store_addr(store_addr)
+        key = (addr.host, addr.port)
+        with self._lock:
+            tcp = self._clients.get(key)
+            if tcp is None:
+                tcp = dist.TCPStore(addr.host, addr.port, is_master=False,
+                                    wait_for_workers=False, timeout=timeout)
+                self._clients[key] = tcp
+        tcp.set_timeout(timeout)
+        return dist.PrefixStore(addr.prefix, tcp)
+
+    def forget(self, store_addr: str) -> None:
+        """Drop the connection to a store that failed; the next use reconnects."""
+        try:
+            addr = parse_store_addr(store_addr)
+        except (TypeError, ValueError):
+            return
+        with self._lock:
+            self._clients.pop((addr.host, addr.port), None)
 
 
 def create_store_client(
-    store_addr: str, timeout: timedelta = timedelta(seconds=60), reuse: bool = True
+    store_addr: str, timeout: timedelta = timedelta(seconds=60)
 ) -> dist.Store:
     """Connect to the TCPStore at ``host:port/prefix`` and return a ``PrefixStore``.
 
     Args:
         store_addr: ``host:port/prefix``; see :func:`parse_store_addr`.
         timeout: how long store operations (and the connect) may block.
-        reuse: share one connection per ``host:port`` in this process.
 
     Raises:
         ValueError: malformed address (before any connection is tried).
@@ -106,4 +120,6 @@ def create_store_client(
     addr = parse_store_addr(store_addr)
     if not isinstance(timeout, timedelta):
         raise TypeError(f"timeout must be a datetime.timedelta, got {timeout!r}")
-    return dist.PrefixStore(addr.prefix, _client(addr.host, addr.port, timeout, reuse))
+    tcp = dist.TCPStore(addr.host, addr.port, is_master=False, wait_for_workers=False,
+                        timeout=timeout)
+    return dist.PrefixStore(addr.prefix, tcp)

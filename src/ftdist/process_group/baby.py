@@ -82,7 +82,8 @@ class _BabyWork(dist._Work):
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Block until the child reports the op done.
 
-        A child that does not answer within the timeout is killed.
+        With no ``timeout``, a child that does not answer within the group's
+        timeout is killed; an explicit ``timeout`` only bounds this wait.
 
         Raises:
             CollectiveTimeoutError: no answer in time (the child was killed).
@@ -90,15 +91,20 @@ class _BabyWork(dist._Work):
             ProcessGroupAbortedError: the group was reconfigured meanwhile.
         """
         limit = timeout.total_seconds() if timeout else None
-        if not limit:
+        if limit:
+            # A caller's own bound: the op may still finish; leave the child be.
+            if not self._event.wait(limit):
+                raise CollectiveTimeoutError(
+                    f"{self._child.describe()}: {self._op} not done within {limit:.3f}s")
+        else:
             limit = (self._child.timeout + WAIT_MARGIN).total_seconds()
-        if not self._event.wait(limit):
-            err = CollectiveTimeoutError(
-                f"{self._child.describe()}: {self._op} got no answer within {limit:.1f}s; "
-                "the child process was killed"
-            )
-            self._child.kill(err)
-            raise err
+            if not self._event.wait(limit):
+                err = CollectiveTimeoutError(
+                    f"{self._child.describe()}: {self._op} got no answer within {limit:.1f}s; "
+                    "the child process was killed"
+                )
+                self._child.kill(err)
+                raise err
         if self._error is not None:
             raise self._error
         if isinstance(self._extra, torch.cuda.Event):
@@ -352,11 +358,16 @@ class ProcessGroupBaby(ProcessGroup):
             child.kill(reason)
 
     def abort(self) -> None:
-        """Kill the child; in-flight ops fail at once. Configure to resume."""
-        with self._config_lock:
-            if self._child is not None:
-                self._error = ProcessGroupAbortedError(f"{self.getBackendName()} group was aborted")
-                self._teardown(self._error)
+        """Kill the child; in-flight ops fail at once. Configure to resume.
+
+        Does not wait for a configure in progress.
+        """
+        child = self._child
+        if child is not None:
+            self._error = ProcessGroupAbortedError(f"{self.getBackendName()} group was aborted")
+            child.fail_pending(self._error)
+            threading.Thread(target=child.kill, args=(self._error,), name="ftdist-baby-reap",
+                             daemon=True).start()
 
     def shutdown(self) -> None:
         """Kill the child and the warm spare."""

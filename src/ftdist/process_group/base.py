@@ -27,6 +27,7 @@ Use ``pg.rank()`` rather than ``dist.get_rank(pg)``, which needs a default group
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, cast
@@ -91,6 +92,40 @@ def validate_topology(rank: Any, world_size: Any) -> None:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
 
 
+class _OwnRanks(dict):  # type: ignore[type-arg]
+    """torch's global-to-group rank table for an ftdist group: the identity.
+
+    It follows the group's current size, so nothing needs updating when the
+    group is reconfigured or its size changes (a ManagedProcessGroup's size
+    is the number of participating replicas).
+    """
+
+    def __init__(self, pg: ProcessGroup) -> None:
+        super().__init__()
+        self._pg = weakref.ref(pg)
+
+    def _size(self) -> int:
+        pg = self._pg()
+        return pg.size() if pg is not None else 0
+
+    def __contains__(self, rank: object) -> bool:
+        return isinstance(rank, int) and 0 <= rank < self._size()
+
+    def __getitem__(self, rank: int) -> int:
+        if rank not in self:
+            raise KeyError(rank)
+        return rank
+
+    def items(self):  # type: ignore[no-untyped-def,override]
+        return [(r, r) for r in range(self._size())]
+
+    def __len__(self) -> int:
+        return self._size()
+
+    def __iter__(self):  # type: ignore[no-untyped-def,override]
+        return iter(range(self._size()))
+
+
 class ProcessGroup(BaseProcessGroup):
     """A process group that can be reconfigured and resized at runtime.
 
@@ -112,6 +147,11 @@ class ProcessGroup(BaseProcessGroup):
         self._group_name: str | None = None
         self._registered_as: str | None = None
         self._config_lock = threading.RLock()
+        # Make src=/dst= arguments of torch.distributed mean ranks in this
+        # group (see the module docstring).
+        from torch.distributed.distributed_c10d import _world
+
+        _world.pg_group_ranks[self] = _OwnRanks(self)
 
     # -- topology --------------------------------------------------------------
     def configure(self, store_addr: str, rank: int, world_size: int) -> None:
@@ -137,11 +177,6 @@ class ProcessGroup(BaseProcessGroup):
     def _set_topology(self, rank: int, world_size: int) -> None:
         self._rank = rank
         self._world_size = world_size
-        # Make src=/dst= arguments of torch.distributed mean ranks in this
-        # group (see the module docstring).
-        from torch.distributed.distributed_c10d import _world
-
-        _world.pg_group_ranks[self] = {r: r for r in range(world_size)}
 
     def rank(self) -> int:
         """This process's rank in the group (0 before configure)."""
@@ -153,11 +188,11 @@ class ProcessGroup(BaseProcessGroup):
 
     def getRank(self) -> int:
         """Same as :meth:`rank`, for C++ callers."""
-        return self._rank
+        return self.rank()
 
     def getSize(self) -> int:
         """Same as :meth:`size`, for C++ callers."""
-        return self._world_size
+        return self.size()
 
     def getBackendName(self) -> str:
         """The backend's name, e.g. ``"torchft-gloo"``."""

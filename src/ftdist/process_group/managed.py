@@ -22,6 +22,8 @@ class _ManagerLike(Protocol):
 
     def num_participants(self) -> int: ...
 
+    def participating_rank(self) -> int | None: ...
+
 
 class ManagedProcessGroup(ProcessGroupWrapper):
     """The Manager's group, seen by model code as an ordinary group.
@@ -45,9 +47,10 @@ class ManagedProcessGroup(ProcessGroupWrapper):
         """The number of replicas participating in the current quorum."""
         return int(self._manager.num_participants())
 
-    def getSize(self) -> int:
-        """Same as :meth:`size`, for C++ callers."""
-        return self.size()
+    def rank(self) -> int:
+        """This replica's rank among the participants (its rank in the group if it sits out)."""
+        rank = self._manager.participating_rank()
+        return int(rank) if rank is not None else int(self._manager._pg.rank())
 
     def getBackendName(self) -> str:
         """The manager's group's backend name."""

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup as BaseProcessGroup
 
 from ftdist.errors import ProcessGroupAbortedError
-from ftdist.process_group._store import create_store_client, forget_store_client
+from ftdist.process_group._store import StoreClients
 from ftdist.process_group.backends import create_gloo_backend, create_nccl_backend
 from ftdist.process_group.base import BACKEND_NAME, Post, ProcessGroup
 from ftdist.process_group.work import WAIT_MARGIN, FtWork, Generation, _DummyWork
@@ -141,15 +141,30 @@ class ProcessGroupWrapper(ProcessGroup):
     def __init__(self, pg: BaseProcessGroup | None = None,
                  timeout: timedelta | float = DEFAULT_TIMEOUT) -> None:
         super().__init__()
-        if pg is not None and not isinstance(pg, BaseProcessGroup):
-            raise TypeError(f"pg must be a torch.distributed.ProcessGroup, got {type(pg).__name__}")
+        if pg is not None and not isinstance(pg, (BaseProcessGroup, dist.Backend)):
+            raise TypeError(f"pg must be a torch.distributed.ProcessGroup (or Backend), got "
+                            f"{type(pg).__name__}")
         self._timeout = _as_timedelta(timeout)
         self._pg: Any = pg
         self._gen: Generation | None = None
         self._error: Exception | None = None
-        if pg is not None and not isinstance(pg, ProcessGroup):
+        # A plain torch group is used as it is and cannot be rebuilt.
+        self._static = pg is not None and not isinstance(pg, ProcessGroup)
+        self._stores = StoreClients()
+        if self._static:
+            assert pg is not None
             self._gen = Generation(self._describe(), self._timeout)
             self._rank, self._world_size = pg.rank(), pg.size()
+
+    def rank(self) -> int:
+        """This process's rank (the wrapped ftdist group's, if any)."""
+        pg = self._pg
+        return pg.rank() if isinstance(pg, ProcessGroup) else self._rank
+
+    def size(self) -> int:
+        """The world size (the wrapped ftdist group's, if any)."""
+        pg = self._pg
+        return pg.size() if isinstance(pg, ProcessGroup) else self._world_size
 
     @property
     def parent(self) -> BaseProcessGroup:
@@ -200,15 +215,16 @@ class ProcessGroupWrapper(ProcessGroup):
                 self._pg.configure(store_addr, rank, world_size)
                 self._set_topology(rank, world_size)
                 return
-            if self._pg is not None and self._gen is None:
-                raise TypeError("this wrapper wraps a plain torch group, which cannot be reconfigured")
+            if self._static:
+                raise TypeError("this wrapper wraps a plain torch group, which cannot be "
+                                "reconfigured; wrap an ftdist ProcessGroup instead")
             self._teardown("reconfigured")
             self._set_topology(rank, world_size)
             try:
-                store = create_store_client(store_addr, timeout=self._timeout)
+                store = self._stores.client(store_addr, self._timeout)
                 backend = self._create_pg(store, rank, world_size)
             except Exception as exc:
-                forget_store_client(store_addr)
+                self._stores.forget(store_addr)
                 raise RuntimeError(
                     f"{type(self).__name__}.configure({store_addr!r}, rank={rank}, "
                     f"world_size={world_size}) failed: {exc}"
@@ -232,14 +248,20 @@ class ProcessGroupWrapper(ProcessGroup):
         GRAVEYARD.bury(backend, self._timeout)
 
     def abort(self) -> None:
-        """Fail all in-flight work now and drop the backend; configure to resume."""
-        with self._config_lock:
-            if isinstance(self._pg, ProcessGroup):
-                self._pg.abort()
-                return
-            if self._pg is not None:
-                self._error = ProcessGroupAbortedError(f"{self._describe()} was aborted")
-            self._teardown("aborted")
+        """Fail all in-flight work now; configure to resume.
+
+        Does not wait for a configure in progress (which may be stuck in a
+        rendezvous with a dead peer): the work of the current backend fails
+        at once, and the backend itself is dropped by the next configure.
+        """
+        pg = self._pg
+        if isinstance(pg, ProcessGroup):
+            pg.abort()
+            return
+        gen = self._gen
+        if gen is not None and not self._static:
+            self._error = ProcessGroupAbortedError(f"{self._describe()} was aborted")
+            gen.abort("aborted")
 
     def shutdown(self) -> None:
         """Drop the backend; in-flight work fails. The group may be configured again."""
@@ -267,6 +289,8 @@ class ProcessGroupWrapper(ProcessGroup):
             return getattr(pg, op)(*args)
         gen = self._gen
         assert gen is not None
+        if gen.error is not None:
+            raise RuntimeError(f"{self._describe()} was aborted: call configure() to resume")
         name = BACKEND_NAME.get(op, op)
         fn = getattr(pg, name, None)
         if fn is None:
@@ -339,7 +363,17 @@ class ProcessGroupNCCL(ProcessGroupWrapper):
         return create_nccl_backend(store, rank, world_size, self._timeout)
 
     def _wrap(self, work: Any, gen: Generation, op: str, post: Post) -> dist.Work:
-        return _NCCLWork(work, gen, op, post, self)
+        return _NCCLWork(work, gen, op, post)
+
+    def abort(self) -> None:
+        """Abort the communicator (``ncclCommAbort``) so stuck kernels exit; configure to resume."""
+        backend = self._pg
+        super().abort()
+        if backend is not None and not isinstance(backend, ProcessGroup) and not self._static:
+            try:
+                backend.abort()
+            except Exception:
+                logger.warning("NCCL abort failed", exc_info=True)
 
     def _bury(self, backend: Any) -> None:
         # ncclCommAbort is what unblocks kernels stuck on a dead peer; unlike
@@ -353,26 +387,20 @@ class ProcessGroupNCCL(ProcessGroupWrapper):
 
 
 class _NCCLWork(FtWork):
-    """NCCL work: ``wait`` blocks the stream; a timer aborts a hung communicator."""
+    """NCCL work: ``wait`` orders the current stream, as torch's does.
 
-    def __init__(self, inner: Any, gen: Generation, op: str, post: Post,
-                 owner: ProcessGroupNCCL) -> None:
-        super().__init__(inner, gen, op, post)
-        self._owner = owner
+    It does not block the CPU, so there is nothing to time out here: a hung
+    communicator is aborted by NCCL's own watchdog (the group's timeout) or
+    by the Manager on failure news, via :meth:`ProcessGroupNCCL.abort`.
+    """
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        limit = timeout if timeout else self._gen.timeout
-        timer = threading.Timer(limit.total_seconds(), self._owner.abort)
-        timer.daemon = True
-        timer.start()
-        try:
-            ok = bool(self._inner.wait())
-        except Exception as exc:
-            raise self._fail(exc) from exc
-        finally:
-            timer.cancel()
         if self._gen.error is not None:
             raise self._gen.error
+        try:
+            ok = bool(self._inner.wait(timeout) if timeout else self._inner.wait())
+        except Exception as exc:
+            raise self._fail(exc) from exc
         self._run_post()
         return ok
 
