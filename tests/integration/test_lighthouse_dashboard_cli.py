@@ -297,3 +297,22 @@ def test_grpc_status_codes_survive_the_completion_queue_server() -> None:
             ]
     finally:
         server.stop(0.5)
+
+
+@pytest.mark.timeout(20)
+def test_shutdown_does_not_wait_for_an_idle_keep_alive_dashboard_client() -> None:
+    import socket as _socket
+
+    from ftdist.coordination import LighthouseServer as _Server
+
+    server = _Server(bind="127.0.0.1:0", min_replicas=1, http_port=0)
+    address = server.dashboard_address()
+    assert address is not None
+    host, port = address.replace("http://", "").rstrip("/").rsplit(":", 1)
+    conn = _socket.create_connection((host, int(port)))
+    try:
+        conn.sendall(b"GET /status.json HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert conn.recv(65536).startswith(b"HTTP/1.1 200")
+        server.shutdown()  # with the connection still open and idle
+    finally:
+        conn.close()

@@ -254,3 +254,63 @@ def test_arrivals_never_miss_a_quorum_the_rule_allows() -> None:
             else:
                 clock.now += rng.choice([0.1, 1.0, 3.0])
                 engine.tick()
+
+
+def _failed(sub: Subscriber) -> list[str]:
+    return [e.replica_id for e in sub.events if e.kind == ftdist_pb2.MEMBER_FAILED]
+
+
+def _two_member_quorum() -> tuple[LighthouseEngine, FakeClock, Subscriber]:
+    engine, clock = make(min_replicas=2)
+    for rid in ("a", "b"):
+        engine.join(member(rid, step=1), Answer())
+    sub = Subscriber()
+    engine.subscribe(sub)
+    for rid in ("a", "b"):
+        engine.stream_opened(rid)
+    return engine, clock, sub
+
+
+def test_a_lost_stream_that_stays_lost_is_a_failure_after_the_grace() -> None:
+    from ftdist.coordination.engine import STREAM_GRACE_S
+
+    engine, clock, sub = _two_member_quorum()
+    engine.stream_closed("b")
+    engine.tick()
+    assert _failed(sub) == []  # within the grace
+    clock.now += STREAM_GRACE_S
+    engine.tick()
+    assert _failed(sub) == ["b"]
+    assert "b" not in engine.state.heartbeats  # the next quorum forms without it
+    clock.now += 1
+    engine.tick()
+    assert _failed(sub) == ["b"]  # reported once
+
+
+def test_a_stream_that_reconnects_within_the_grace_is_no_failure() -> None:
+    from ftdist.coordination.engine import STREAM_GRACE_S
+
+    engine, clock, sub = _two_member_quorum()
+    engine.stream_opened("a")  # a second rank of replica a
+    engine.stream_closed("a")  # one of them reconnects...
+    clock.now += STREAM_GRACE_S / 2
+    engine.stream_opened("a")  # ...and is back
+    clock.now += STREAM_GRACE_S
+    engine.tick()
+    assert _failed(sub) == []
+    engine.stream_closed("a")  # one rank of a dies for good: a is broken
+    clock.now += STREAM_GRACE_S
+    engine.tick()
+    assert _failed(sub) == ["a"]
+
+
+def test_lost_streams_of_non_members_and_anonymous_subscribers_are_ignored() -> None:
+    from ftdist.coordination.engine import STREAM_GRACE_S
+
+    engine, clock, sub = _two_member_quorum()
+    engine.stream_opened("stranger")
+    engine.stream_closed("stranger")
+    engine.stream_closed("")
+    clock.now += STREAM_GRACE_S
+    engine.tick()
+    assert _failed(sub) == []

@@ -213,6 +213,31 @@ class _HTTPServer(http.server.ThreadingHTTPServer):
     daemon_threads = False
     block_on_close = True
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._open: set[Any] = set()
+        self._open_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._open_lock:
+            self._open.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._open_lock:
+            self._open.discard(request)
+        super().shutdown_request(request)
+
+    def close_connections(self) -> None:
+        """Wake every request thread parked on an idle keep-alive connection."""
+        with self._open_lock:
+            open_now = list(self._open)
+        for sock in open_now:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         threading.current_thread().name = "ftdist-lighthouse-http-request"
         super().process_request_thread(request, client_address)
@@ -279,6 +304,9 @@ class DashboardServer:
         if self._thread.is_alive():
             self._httpd.shutdown()
             self._thread.join()
+        # A browser keeps idle keep-alive connections open; without this,
+        # server_close() would wait on their threads forever.
+        self._httpd.close_connections()
         self._httpd.server_close()
 
 
@@ -290,6 +318,8 @@ def _make_handler(
     class Handler(http.server.BaseHTTPRequestHandler):
         server_version = "ftdist-lighthouse"
         protocol_version = "HTTP/1.1"
+        # Bounds an idle keep-alive connection (and its thread).
+        timeout = 30
 
         def log_message(self, format: str, *args: Any) -> None:
             logger.debug("%s %s", self.address_string(), format % args)

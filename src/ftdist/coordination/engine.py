@@ -65,6 +65,11 @@ _FORGET_AFTER_TIMEOUTS = 12.0
 # long; partial rounds are normal and would flood the log.
 _STUCK_LOG_AFTER_S = 1.0
 
+# How long a replica's lost failure-news stream may take to come back before
+# the replica counts as failed. A reconnecting client is back within a few
+# hundred ms; a dead process never.
+STREAM_GRACE_S = 0.5
+
 
 @dataclass(frozen=True, slots=True)
 class FormedQuorum:
@@ -161,6 +166,10 @@ class LighthouseEngine:
         self._expired_at_tick = 0
         self._failed_reported: set[str] = set()
         self._subscribers: set[Subscriber] = set()
+        # Open failure-news streams per replica id, and streams lost recently:
+        # replica id -> (when, open streams before the loss).
+        self._streams: dict[str, int] = {}
+        self._lost_streams: dict[str, tuple[float, int]] = {}
         self._last_reason = ""
         self.closed = False
         self.started_at = clock()
@@ -344,6 +353,7 @@ class LighthouseEngine:
         for replica_id in [rid for rid, seen in heartbeats.items() if seen < forget_before]:
             del heartbeats[replica_id]
         self._expired_at_tick = sum(1 for seen in heartbeats.values() if now - seen >= timeout)
+        self._check_lost_streams(now)
         self._report_dead_members(now)
         if not self.state.participants:
             return None
@@ -368,32 +378,60 @@ class LighthouseEngine:
         """
         return compute_quorum(self._clock(), self.state, self.settings)
 
-    def member_disconnected(self, replica_id: str) -> None:
-        """A member's event stream broke: treat it as dead now, not after the heartbeat timeout.
-
-        A process that dies closes its connections at once, so this is the
-        fastest failure signal there is. The member's heartbeat is forgotten,
-        so the next quorum forms without it; if it is in fact alive (a
-        network blip), its next heartbeat makes it healthy again.
+    def stream_opened(self, replica_id: str) -> None:
+        """A subscriber naming ``replica_id`` opened its failure-news stream.
 
         Raises:
             Nothing.
         """
-        current = self.current
-        if not replica_id or current is None or replica_id not in current.member_ids:
+        if replica_id:
+            self._streams[replica_id] = self._streams.get(replica_id, 0) + 1
+
+    def stream_closed(self, replica_id: str) -> None:
+        """A subscriber naming ``replica_id`` lost its stream.
+
+        A process that dies closes its connections at once, so this is the
+        fastest failure signal there is, faster than the heartbeat timeout,
+        and it covers every rank of a replica group, not only the one that
+        heartbeats. A stream that is merely reconnecting is reopened within
+        :data:`STREAM_GRACE_S`; only a stream that stays lost makes the
+        member count as failed (see :meth:`_check_lost_streams`).
+
+        Raises:
+            Nothing.
+        """
+        if not replica_id:
             return
-        self.state.heartbeats.pop(replica_id, None)
-        if replica_id in self._failed_reported:
-            return
-        self._failed_reported.add(replica_id)
-        self.num_member_failures += 1
-        reason = "its connection to the lighthouse closed (process exited?)"
-        logger.warning("Member %s of quorum %d failed: %s", replica_id,
-                       current.quorum.quorum_id, reason)
-        self._publish(ftdist_pb2.MEMBER_FAILED, replica_id=replica_id, reason=reason)
-        # A round may be waiting only for this member: decide again now.
-        if self.state.participants:
-            self._evaluate(self._clock())
+        before = self._streams.get(replica_id, 0)
+        self._streams[replica_id] = max(0, before - 1)
+        self._lost_streams.setdefault(replica_id, (self._clock(), before))
+
+    def _check_lost_streams(self, now: float) -> None:
+        for replica_id, (since, before) in list(self._lost_streams.items()):
+            if self._streams.get(replica_id, 0) >= before:
+                del self._lost_streams[replica_id]  # reconnected
+                continue
+            if now - since < STREAM_GRACE_S:
+                continue
+            del self._lost_streams[replica_id]
+            if self._streams.get(replica_id, 0) == 0:
+                self._streams.pop(replica_id, None)
+            current = self.current
+            if current is None or replica_id not in current.member_ids \
+                    or replica_id in self._failed_reported:
+                continue
+            # Forget its heartbeat so the next quorum forms without it; a
+            # group whose other ranks live will heartbeat again, and simply
+            # not complete the next quorum request.
+            self.state.heartbeats.pop(replica_id, None)
+            self._failed_reported.add(replica_id)
+            self.num_member_failures += 1
+            reason = f"its connection to the lighthouse closed {now - since:.1f} s ago"
+            logger.warning("Member %s of quorum %d failed: %s", replica_id,
+                           current.quorum.quorum_id, reason)
+            self._publish(ftdist_pb2.MEMBER_FAILED, replica_id=replica_id, reason=reason)
+            if self.state.participants:
+                self._evaluate(now)
 
     def _report_dead_members(self, now: float) -> None:
         current = self.current

@@ -398,7 +398,8 @@ class LighthouseServer:
 
         def cancelled() -> None:
             engine.unsubscribe(stream)
-            engine.member_disconnected(replica_id)
+            engine.stream_closed(replica_id)
 
         rpc.on_cancel(cancelled)
         engine.subscribe(stream)
+        engine.stream_opened(replica_id)
