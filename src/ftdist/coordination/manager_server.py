@@ -49,6 +49,7 @@ class _Round:
     """One gathering of every group rank (a quorum or a commit vote)."""
 
     arrivals: dict[int, Any] = field(default_factory=dict)
+    deadlines: dict[int, float] = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
     quorum: Quorum | None = None
     divergence: str = ""
@@ -94,10 +95,9 @@ class ManagerServer:
         self._metadata: dict[int, str] = {}
         self._stopped = threading.Event()
 
-        self._server = grpc.server(
-            ThreadPoolExecutor(max_workers=2 * world_size + 8, thread_name_prefix="ftdist-mgr"),
-            options=_rpc.server_options(),
-        )
+        self._pool = ThreadPoolExecutor(max_workers=2 * world_size + 8,
+                                        thread_name_prefix="ftdist-mgr")
+        self._server = grpc.server(self._pool, options=_rpc.server_options())
         handlers = {
             "Quorum": grpc.unary_unary_rpc_method_handler(
                 self._quorum, torchft_pb2.ManagerQuorumRequest.FromString,
@@ -128,9 +128,16 @@ class ManagerServer:
         return f"http://{host}:{self._port}"
 
     def shutdown(self) -> None:
-        """Stop serving and heartbeating."""
+        """Stop serving and heartbeating; calls still waiting get UNAVAILABLE."""
         self._stopped.set()
+        with self._lock:
+            rounds = [self._quorum_round, self._commit_round]
+        for pending in rounds:
+            if not pending.done.is_set():
+                pending.error = (grpc.StatusCode.UNAVAILABLE, "the manager server is shutting down")
+                pending.done.set()
         self._server.stop(grace=None).wait(5)
+        self._pool.shutdown(wait=True)
         self._heartbeat.join(timeout=5)
         self._lighthouse.close()
 
@@ -158,9 +165,13 @@ class ManagerServer:
             self._metadata[rank] = request.checkpoint_metadata
             current = self._quorum_round
             current.arrivals[rank] = request
+            current.deadlines[rank] = time.monotonic() + remaining
             if len(current.arrivals) == self._world_size:
                 self._quorum_round = _Round()
-                threading.Thread(target=self._run_quorum, args=(current, remaining),
+                # The earliest deadline bounds the lighthouse call, so that
+                # its failure reaches every waiting rank at the same moment.
+                timeout = min(current.deadlines.values()) - time.monotonic()
+                threading.Thread(target=self._run_quorum, args=(current, timeout),
                                  name="ftdist-mgr-quorum", daemon=True).start()
         if not current.done.wait(remaining):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -265,6 +276,8 @@ class ManagerServer:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                           f"commit vote incomplete: {len(current.arrivals)} of "
                           f"{self._world_size} group ranks voted")
+        if current.error is not None:
+            context.abort(*current.error)
         return torchft_pb2.ShouldCommitResponse(should_commit=current.decision)
 
     def _kill(self, request: torchft_pb2.KillRequest,

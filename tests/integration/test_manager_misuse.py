@@ -1,0 +1,102 @@
+"""Misuse of the Manager raises at once, with a message that says what to do."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+import torch
+
+from ftdist.coordination import LighthouseServer
+from ftdist.manager import Manager
+from ftdist.process_group import ProcessGroupGloo
+from ftdist.testing import RankContext, run_ranks
+
+T = timedelta(seconds=10)
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def lighthouse() -> Iterator[str]:
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100)
+    yield server.address()
+    server.shutdown()
+
+
+def _state() -> tuple:
+    return (lambda sd: None), (lambda: {"w": torch.ones(2)})
+
+
+def test_bad_construction_raises_before_connecting(monkeypatch: pytest.MonkeyPatch) -> None:
+    load, save = _state()
+    pg = ProcessGroupGloo()
+    with pytest.raises(ValueError, match="min_replica_size must be an int >= 1, got 0"):
+        Manager(pg, load, save, min_replica_size=0, lighthouse_addr="127.0.0.1:1")
+    with pytest.raises(TypeError, match="pg must be an ftdist ProcessGroup"):
+        Manager(object(), load, save, min_replica_size=1,  # type: ignore[arg-type]
+                lighthouse_addr="127.0.0.1:1")
+    for name in ("FTDIST_LIGHTHOUSE", "TORCHFT_LIGHTHOUSE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="no lighthouse address: pass lighthouse_addr="):
+        Manager(pg, load, save, min_replica_size=1)
+    with pytest.raises(ValueError, match="pass both load_state_dict and state_dict"):
+        Manager(pg, load, None, min_replica_size=1, lighthouse_addr="127.0.0.1:1")
+    with pytest.raises(ValueError, match="max_retries must be None or an int >= 0"):
+        Manager(pg, load, save, min_replica_size=1, lighthouse_addr="127.0.0.1:1",
+                max_retries=-1)
+
+
+def test_wait_quorum_before_start_quorum_and_duplicate_state_keys(lighthouse: str) -> None:
+    load, save = _state()
+    pg = ProcessGroupGloo(timeout=T)
+    manager = Manager(pg, load, save, min_replica_size=1, lighthouse_addr=lighthouse,
+                      hostname="127.0.0.1", replica_id="solo", connect_timeout=T)
+    try:
+        with pytest.raises(RuntimeError, match=r"wait_quorum\(\) called before start_quorum\(\)"):
+            manager.wait_quorum()
+        with pytest.raises(ValueError, match="already registered under 'default'"):
+            manager.register_state_dict_fn("default", load, save)
+        assert manager.num_participants() == 0 and manager.participating_rank() is None
+        manager.start_quorum()
+        t = torch.full((3,), 4.0)
+        manager.allreduce(t).wait()
+        assert t.tolist() == [4.0] * 3  # AVG over the one participant
+        with pytest.raises(ValueError, match="AVG needs a floating-point tensor"):
+            manager.allreduce(torch.ones(2, dtype=torch.int64))
+        assert manager.should_commit()
+        assert (manager.current_step(), manager.batches_committed()) == (1, 1)
+    finally:
+        manager.shutdown()
+        pg.shutdown()
+
+
+def _no_state_fns(ctx: RankContext, lighthouse: str) -> str:
+    import torch.distributed as dist
+
+    own = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    pg = ProcessGroupGloo(timeout=T)
+    manager = Manager(pg, None, None, min_replica_size=2, lighthouse_addr=lighthouse,
+                      hostname="127.0.0.1", replica_id=f"r{ctx.rank}", store_addr="127.0.0.1",
+                      store_port=own.port, connect_timeout=T)
+    try:
+        manager.start_quorum()
+        try:
+            manager.wait_quorum()
+        except ValueError as exc:
+            return str(exc)
+        return "no error"
+    finally:
+        manager.shutdown()
+        pg.shutdown()
+
+
+def test_healing_without_state_functions_is_a_clear_error() -> None:
+    # Two replicas at step 0 with init_sync: both must exchange state, and
+    # neither registered any.
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=100)
+    try:
+        for message in run_ranks(_no_state_fns, 2, server.address(), timeout=50):
+            assert "no state_dict function is registered" in message
+    finally:
+        server.shutdown()

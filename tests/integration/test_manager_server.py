@@ -1,0 +1,128 @@
+"""The manager server over real gRPC: aggregation, votes, step checks, errors."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from ftdist.coordination import LighthouseServer
+from ftdist.coordination.manager_client import ManagerClient
+from ftdist.coordination.manager_server import ManagerServer
+from ftdist.errors import CoordinationError, CoordinationTimeoutError
+
+T = timedelta(seconds=5)
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def lighthouse() -> Iterator[LighthouseServer]:
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100)
+    yield server
+    server.shutdown()
+
+
+@pytest.fixture
+def server(lighthouse: LighthouseServer) -> Iterator[ManagerServer]:
+    manager = ManagerServer("rep:uuid", lighthouse.address(), "127.0.0.1", "127.0.0.1:0",
+                            "127.0.0.1:1234", world_size=2,
+                            heartbeat_interval=timedelta(milliseconds=100), connect_timeout=T)
+    yield manager
+    manager.shutdown()
+
+
+def _in_threads(*calls: Any) -> list[Any]:
+    results: list[Any] = [None] * len(calls)
+
+    def run(i: int, fn: Any) -> None:
+        try:
+            results[i] = fn()
+        except Exception as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return results
+
+
+def test_one_lighthouse_round_answers_every_group_rank(server: ManagerServer) -> None:
+    with ManagerClient(server.address(), T) as c:
+        r0, r1 = _in_threads(
+            lambda: c.quorum(0, 3, "meta0", False, True, 0, T),
+            lambda: c.quorum(1, 3, "meta1", False, True, 0, T),
+        )
+        assert r0.replica_ids == r1.replica_ids == ["rep:uuid"]
+        assert (r0.max_step, r0.replica_world_size, r0.heal) == (3, 1, False)
+        assert r0.store_address == "127.0.0.1:1234"
+        assert r0.created_ns > 0
+        assert c.checkpoint_metadata(1, T) == "meta1"
+        with pytest.raises(CoordinationError, match="rank not found"):
+            c.checkpoint_metadata(5, T)
+
+
+def test_group_ranks_that_disagree_on_the_step_all_get_an_error(server: ManagerServer) -> None:
+    with ManagerClient(server.address(), T) as c:
+        results = _in_threads(
+            lambda: c.quorum(0, 3, "", False, True, 0, T),
+            lambda: c.quorum(1, 4, "", False, True, 0, T),
+        )
+    for r in results:
+        assert isinstance(r, CoordinationError) and "disagree on the step" in str(r), r
+
+
+def test_should_commit_is_an_and_of_every_rank_on_the_same_step(server: ManagerServer) -> None:
+    with ManagerClient(server.address(), T) as c:
+        assert _in_threads(lambda: c.should_commit(0, 1, True, T),
+                           lambda: c.should_commit(1, 1, True, T)) == [True, True]
+        assert _in_threads(lambda: c.should_commit(0, 2, True, T),
+                           lambda: c.should_commit(1, 2, False, T)) == [False, False]
+        # Votes on different steps never commit.
+        assert _in_threads(lambda: c.should_commit(0, 3, True, T),
+                           lambda: c.should_commit(1, 4, True, T)) == [False, False]
+        # A rank left alone times out instead of hanging.
+        with pytest.raises(CoordinationTimeoutError):
+            c.should_commit(0, 5, True, timedelta(milliseconds=300))
+
+
+def test_bad_requests_get_clear_errors(server: ManagerServer) -> None:
+    with ManagerClient(server.address(), T) as c:
+        with pytest.raises(CoordinationError, match="group_rank 7 is outside"):
+            c.quorum(7, 0, "", False, True, 0, T)
+        with pytest.raises(CoordinationError, match="step -1 is negative"):
+            c.quorum(0, -1, "", False, True, 0, T)
+        with pytest.raises(CoordinationError, match="group_rank -2 is outside"):
+            c.should_commit(-2, 0, True, T)
+
+
+def test_a_failed_lighthouse_call_reaches_every_waiting_rank_at_once(
+        lighthouse: LighthouseServer) -> None:
+    # min_replicas=1 but a second, heartbeating replica never asks: the
+    # split-brain guard holds the quorum, so the lighthouse call times out.
+    # Both group ranks must get that error when it happens, not later.
+    server = ManagerServer("solo:uuid", lighthouse.address(), "127.0.0.1", "127.0.0.1:0",
+                           "127.0.0.1:1", world_size=2,
+                           heartbeat_interval=timedelta(milliseconds=100), connect_timeout=T)
+    other = ManagerServer("other:uuid", lighthouse.address(), "127.0.0.1", "127.0.0.1:0",
+                          "127.0.0.1:2", world_size=1,
+                          heartbeat_interval=timedelta(milliseconds=100), connect_timeout=T)
+    try:
+        time.sleep(0.5)  # let "other" heartbeat: the lighthouse now counts it healthy
+        with ManagerClient(server.address(), T) as c:
+            results = _in_threads(
+                lambda: c.quorum(0, 0, "", False, True, 0, timedelta(seconds=1)),
+                lambda: c.quorum(1, 0, "", False, True, 0, timedelta(seconds=20)),
+            )
+        # Both fail, with the lighthouse's error, by the earliest deadline.
+        for r in results:
+            assert isinstance(r, (CoordinationError, CoordinationTimeoutError)), r
+        assert "lighthouse quorum failed" in str(results[1]), results[1]
+    finally:
+        other.shutdown()
+        server.shutdown()
