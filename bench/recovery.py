@@ -90,6 +90,16 @@ def _coord(port: int, prefix: str) -> dist.Store:
     return dist.PrefixStore(prefix, tcp)
 
 
+def _store_barrier(store: dist.Store, name: str, n: int = 2) -> None:
+    """Wait until ``n`` processes have reached this point."""
+    store.add(name, 1)
+    deadline = time.monotonic() + CTL_TIMEOUT.total_seconds()
+    while int(store.add(name, 0)) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"barrier {name!r} timed out")
+        time.sleep(0.001)
+
+
 def mlp(width: int, depth: int, seed: int) -> nn.Sequential:
     """``depth`` Linear(width, width) layers with ReLU between them."""
     torch.manual_seed(seed)
@@ -177,6 +187,8 @@ def overhead_rank(ctx: RankContext, lighthouse: str, width: int, depth: int, bat
             failed += 1
 
     steps = {"plain": plain_step, "ftdist": ft_step}
+    # Both Managers are up before the first quorum, so it holds both groups.
+    _store_barrier(ctx.store(), "managers_ready")
 
     def block(name: str, k: int) -> float:
         fn = steps[name]
@@ -235,13 +247,16 @@ def failover_rank(ctx: RankContext, lighthouse: str, coord_port: int, coord_pref
     loss_fn = nn.MSELoss()
     x, y = _batch(width, batch, seed=ctx.rank)
     attempts: list[dict[str, Any]] = []
+    _store_barrier(coord, "managers_ready")
+    armed = True
     try:
         while manager.current_step() < end_step:
             step = manager.current_step()
             t0 = time.time()
             opt.zero_grad()
             loss = loss_fn(ddp(x), y)
-            if step == kill_step:
+            if step >= kill_step and armed:
+                armed = False
                 if victim:
                     manager.wait_quorum()
                     coord.set("victim_ready", "1")
@@ -272,6 +287,8 @@ def replace_rank(ctx: RankContext, lighthouse: str, coord_port: int, coord_prefi
                  width: int, depth: int, batch: int, threads: int, t_request: float | None = None,
                  attempt: int = 0) -> dict[str, Any]:
     t_enter = time.time()
+    preloaded = "ftdist.manager" in sys.modules
+    import ftdist.manager  # noqa: F401  (timed: the fork server does not preload it)
     from ftdist.ddp import DistributedDataParallel as FtDDP
     from ftdist.optim import OptimizerWrapper
     from ftdist.process_group import ProcessGroupGloo
@@ -279,6 +296,7 @@ def replace_rank(ctx: RankContext, lighthouse: str, coord_port: int, coord_prefi
     t_imported = time.time()
     torch.set_num_threads(threads)
     coord = _coord(coord_port, coord_prefix)
+    t_coord = time.time()
     model = mlp(width, depth, seed=10 * ctx.rank + attempt)
     inner = torch.optim.Adam(model.parameters(), lr=1e-4)
     t_model = time.time()
@@ -293,6 +311,8 @@ def replace_rank(ctx: RankContext, lighthouse: str, coord_port: int, coord_prefi
     first_step: int | None = None
     t_backward_first: float | None = None
     stop_step = 1 << 30
+    if attempt == 0:
+        _store_barrier(coord, "managers_ready")
     try:
         while manager.current_step() < stop_step:
             step = manager.current_step()
@@ -321,7 +341,8 @@ def replace_rank(ctx: RankContext, lighthouse: str, coord_port: int, coord_prefi
                 if isinstance(v, torch.Tensor):
                     state_bytes += v.numel() * v.element_size()
         return {"attempt": attempt, "t_request": t_request, "t_enter": t_enter,
-                "t_imported": t_imported, "t_model": t_model, "t_ready": t_ready,
+                "t_imported": t_imported, "t_coord": t_coord, "t_model": t_model,
+                "preloaded": preloaded, "t_ready": t_ready,
                 "t_backward_first": t_backward_first, "t_first_commit": first_commit,
                 "first_step": first_step, "state_bytes": state_bytes,
                 "heals": [t.as_dict() | {"gbps": t.transfer_gbps} for t in manager.heal_timelines],
@@ -490,10 +511,11 @@ def _verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
-def _lighthouse(**kwargs: Any) -> Any:
+def _lighthouse(min_replicas: int = 1) -> Any:
+    """A lighthouse with default timeouts (join 100 ms, heartbeat 5 s), no dashboard."""
     from ftdist.coordination import LighthouseServer
 
-    return LighthouseServer(bind="127.0.0.1:0", min_replicas=1, http_port=-1, **kwargs)
+    return LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas, http_port=-1)
 
 
 def _fail(outcomes: Sequence[Any], what: str) -> None:
@@ -513,10 +535,13 @@ def part_overhead(args: argparse.Namespace, targets: list[tuple[str, bool, str]]
           "momentum 0.9, same model/batch/steps; blocks of K steps alternate")
     rows = [("big", args.width, args.depth, args.batch, args.overhead_seconds),
             ("tiny", 32, 2, args.batch, args.tiny_seconds)]
+    print("    note: ftdist DDP always sets find_unused_parameters=True (torch warns: an extra "
+          "autograd-graph traversal per step); plain DDP uses torch's default (False)")
     print(f"    {'model':<26} {'ms/step plain':>13} {'ms/step ftdist':>14} {'steps/s plain':>13} "
           f"{'steps/s ftdist':>14} {'ratio ft/plain':>14} {'ratio p10-p90':>14}  blocks")
     for label, width, depth, batch, seconds in rows:
-        server = _lighthouse()
+        # Both groups take every step (no quorum of one while the other runs a plain block).
+        server = _lighthouse(min_replicas=2)
         try:
             with Ranks(overhead_rank, 2, args=(server.address(), width, depth, batch, args.threads,
                                                args.warmup, args.block_s, seconds)) as ranks:
@@ -569,7 +594,7 @@ def part_failover(args: argparse.Namespace, targets: list[tuple[str, bool, str]]
         _fail(outcomes[:1], "(b) survivor")
         res = outcomes[0].value
         attempts = res["attempts"]
-        failed = [a for a in attempts if a["step"] == args.kill_step and not a["committed"]]
+        failed = [a for a in attempts if not a["committed"] and a["t_end"] > t_kill]
         after = [a for a in attempts if a["committed"] and a["t_end"] > t_kill]
         if not after:
             print(f"    run {rep + 1}: survivor never committed after the kill")
@@ -655,7 +680,8 @@ def part_replace(args: argparse.Namespace, targets: list[tuple[str, bool, str]])
     total = new["t_first_commit"] - t0
     spawn = new["t_enter"] - t0
     imports = new["t_imported"] - new["t_enter"]
-    build = new["t_model"] - new["t_imported"]
+    coord_s = new["t_coord"] - new["t_imported"]
+    build = new["t_model"] - new["t_coord"]
     mgr = new["t_ready"] - new["t_model"]
     start_phase = new["t_ready"] - t0
     heal_s = h["quorum_s"] + h["reconfigure_s"] + h["transfer_s"] + h["load_s"]
@@ -664,6 +690,7 @@ def part_replace(args: argparse.Namespace, targets: list[tuple[str, bool, str]])
         ("process start: request -> Manager ready", start_phase, ""),
         ("  fork from fork server -> function entry", spawn, ""),
         ("  import ftdist Manager/DDP/optim", imports, ""),
+        ("  benchmark's own store client (not ftdist)", coord_s, ""),
         ("  build model + Adam", build, ""),
         ("  Manager() (store, server, lighthouse)", mgr, ""),
         ("quorum wait", h["quorum_s"], ""),
@@ -766,6 +793,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if quick:
         args.failover_reps = min(args.failover_reps, 1)
         args.transport_tensors = min(args.transport_tensors, 16)
+    # The rank processes (forked from a fork server started after this) log at
+    # warning level: no per-run C++/gRPC info lines between the table rows.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     parts = set(args.parts.lower())
     if not parts <= set("abcd"):
         parser.error("--parts takes letters from 'abcd'")

@@ -23,6 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup as BaseProcessGroup
 
@@ -141,7 +142,7 @@ class ProcessGroupWrapper(ProcessGroup):
     def __init__(self, pg: BaseProcessGroup | None = None,
                  timeout: timedelta | float = DEFAULT_TIMEOUT) -> None:
         super().__init__()
-        if pg is not None and not isinstance(pg, (BaseProcessGroup, dist.Backend)):
+        if pg is not None and not isinstance(pg, (BaseProcessGroup, c10d.Backend)):
             raise TypeError(f"pg must be a torch.distributed.ProcessGroup (or Backend), got "
                             f"{type(pg).__name__}")
         self._timeout = _as_timedelta(timeout)
