@@ -6,6 +6,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -65,3 +66,27 @@ def no_leaks() -> Iterator[None]:
         time.sleep(0.05)
     names = sorted(t.name for t in leaked_threads)
     pytest.fail(f"test leaked child processes {sorted(leaked_children)} and threads {names}")
+
+
+@pytest.fixture
+def lighthouse_factory() -> Iterator[Any]:
+    """Start real lighthouses on 127.0.0.1 port 0; all are shut down after the test."""
+    from ftdist.coordination import LighthouseServer
+
+    servers: list[Any] = []
+
+    def start(min_replicas: int = 1, join_timeout_ms: int = 200, **kwargs: Any) -> Any:
+        server = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas,
+                                  join_timeout_ms=join_timeout_ms, **kwargs)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.shutdown()
+
+
+@pytest.fixture
+def lighthouse(lighthouse_factory: Any) -> str:
+    """The address of a lighthouse that forms quorums of one or more replica groups."""
+    return str(lighthouse_factory(heartbeat_timeout_ms=1000).address())

@@ -2,27 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from ftdist.coordination import LighthouseServer
 from ftdist.testing import run_ranks
 from tests.integration.ft_training import train
 
 
-@pytest.fixture
-def lighthouse() -> Iterator[str]:
-    # min_replicas=2: neither replica may run ahead alone.
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=200,
-                              heartbeat_timeout_ms=1000)
-    yield server.address()
-    server.shutdown()
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("group_size", [1, 2])
-def test_replicas_train_in_lockstep_and_end_bit_identical(lighthouse: str, group_size: int) -> None:
+def test_replicas_train_in_lockstep_and_end_bit_identical(lighthouse_factory: Any,
+                                                          group_size: int) -> None:
+    # min_replicas=2: neither replica may run ahead alone.
+    lighthouse = lighthouse_factory(min_replicas=2).address()
     results = run_ranks(train, 2 * group_size, lighthouse, group_size, 8, timeout=100)
     assert_consistent(results, 8, complete=True)
     # init_sync: whichever replica was not the primary healed from it.

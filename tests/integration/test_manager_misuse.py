@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
 
-from ftdist.coordination import LighthouseServer
 from ftdist.manager import Manager
 from ftdist.process_group import ProcessGroupGloo
 from ftdist.testing import RankContext, run_ranks
 
 T = timedelta(seconds=10)
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def lighthouse() -> Iterator[str]:
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100)
-    yield server.address()
-    server.shutdown()
 
 
 def _state() -> tuple:
@@ -91,12 +83,9 @@ def _no_state_fns(ctx: RankContext, lighthouse: str) -> str:
         pg.shutdown()
 
 
-def test_healing_without_state_functions_is_a_clear_error() -> None:
+def test_healing_without_state_functions_is_a_clear_error(lighthouse_factory: Any) -> None:
     # Two replicas at step 0 with init_sync: both must exchange state, and
     # neither registered any.
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=100)
-    try:
-        for message in run_ranks(_no_state_fns, 2, server.address(), timeout=50):
-            assert "no state_dict function is registered" in message
-    finally:
-        server.shutdown()
+    address = lighthouse_factory(min_replicas=2).address()
+    for message in run_ranks(_no_state_fns, 2, address, timeout=50):
+        assert "no state_dict function is registered" in message

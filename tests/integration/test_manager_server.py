@@ -20,10 +20,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def lighthouse() -> Iterator[LighthouseServer]:
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100)
-    yield server
-    server.shutdown()
+def lighthouse(lighthouse_factory: Any) -> LighthouseServer:
+    return lighthouse_factory(join_timeout_ms=100)  # type: ignore[no-any-return]
 
 
 @pytest.fixture

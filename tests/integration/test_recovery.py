@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,14 +12,6 @@ from ftdist.coordination import LighthouseServer
 from ftdist.testing import Ranks
 from tests.integration.ft_training import train
 from tests.integration.test_manager import assert_consistent
-
-
-@pytest.fixture
-def lighthouse() -> Iterator[str]:
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=200,
-                              heartbeat_timeout_ms=1000)
-    yield server.address()
-    server.shutdown()
 
 
 def _wait_dead(ranks: Ranks, members: list[int], timeout: float = 60) -> None:
