@@ -238,6 +238,7 @@ class Manager:
         self._timeline: HealTimeline | None = None
         self.heal_timelines: list[HealTimeline] = []
         self._source_clients: dict[str, ManagerClient] = {}
+        self._pending_works: list[_ManagedWork] = []
 
         from ftdist.manager_bootstrap import bootstrap
 
@@ -319,6 +320,7 @@ class Manager:
         """
         if self._quorum_future is not None:
             self._quorum_future.result()
+        self._pending_works = []
         self._errored = None
         self._healing = False
         self._quorum_future = self._executor.submit(
@@ -500,7 +502,9 @@ class Manager:
         except Exception as exc:
             self.report_error(exc)
             return _DummyWork(tensor)
-        return _ManagedWork(self, work, tensor, divisor)
+        managed = _ManagedWork(self, work, tensor, divisor)
+        self._pending_works.append(managed)
+        return managed
 
     def should_commit(self, timeout: timedelta | None = None) -> bool:
         """Vote on this step with the other ranks of the replica group.
@@ -511,6 +515,11 @@ class Manager:
         Raises:
             RuntimeError: more than ``max_retries`` consecutive steps failed.
         """
+        # Every collective of the step must be done (and its errors recorded)
+        # before the vote, even if the caller never waited on it.
+        pending, self._pending_works = self._pending_works, []
+        for work in pending:
+            work.wait()
         pg_error = self._pg.errored()
         # An abort on failure news is not an error of this step by itself:
         # collectives it cut short reported their own errors.

@@ -123,10 +123,16 @@ def train(ctx: RankContext, lighthouse: str, group_size: int, steps: int,
         connect_timeout=timedelta(seconds=10),
         checkpoint_transport=PGTransport(pg, timeout) if transport == "pg" else None,
         max_retries=actions.get("max_retries"),
+        **actions.get("manager_kwargs", {}),
     )
     if actions.get("die_while_serving"):
         _die_while_serving(ctx, manager)
-    ddp = DistributedDataParallel(manager, model)
+    if actions.get("pure_ddp"):
+        from ftdist.ddp import PureDistributedDataParallel
+
+        ddp: nn.Module = PureDistributedDataParallel(manager, model)
+    else:
+        ddp = DistributedDataParallel(manager, model)
     opt = OptimizerWrapper(manager, optim)
     loss_fn = nn.MSELoss()
     attempts = 0

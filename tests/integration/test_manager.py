@@ -22,6 +22,34 @@ def test_replicas_train_in_lockstep_and_end_bit_identical(lighthouse_factory: An
     assert any(h["role"] == "receive" for r in results for h in r["heals"])
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("variant", ["baby-gloo", "pg-transport", "pure-ddp", "sync-quorum",
+                                     "spares"])
+def test_variants_train_and_end_bit_identical(lighthouse_factory: Any, variant: str) -> None:
+    lighthouse = lighthouse_factory(min_replicas=2).address()
+    actions: dict[str, Any] = {}
+    pg_kind, transport = "gloo", "http"
+    if variant == "baby-gloo":
+        pg_kind = "baby"
+    elif variant == "pg-transport":
+        transport = "pg"
+    elif variant == "pure-ddp":
+        actions = {"pure_ddp": True}
+    elif variant == "sync-quorum":
+        actions = {"manager_kwargs": {"use_async_quorum": False}}
+    elif variant == "spares":
+        from ftdist.manager import WorldSizeMode
+
+        # One participant, one hot spare that contributes zeros.
+        actions = {"manager_kwargs": {"world_size_mode": WorldSizeMode.FIXED_WITH_SPARES}}
+    results = run_ranks(train, 2, lighthouse, 1, 6, dict.fromkeys(range(2), actions), 0,
+                        pg_kind, transport, timeout=100)
+    assert_consistent(results, 6, complete=True)
+    if variant == "spares":
+        # min_replica_size=1: each committed step counted one participant.
+        assert results[0]["batches"] == 6
+
+
 def assert_consistent(results: list[dict], steps: int, complete: bool = False) -> None:
     """Every replica ends at ``steps`` with the same state; no step was lost.
 

@@ -124,3 +124,25 @@ def test_a_failed_lighthouse_call_reaches_every_waiting_rank_at_once(
     finally:
         other.shutdown()
         server.shutdown()
+
+
+def _serve_until_killed(ctx: Any, lighthouse: str) -> None:
+    server = ManagerServer("victim:uuid", lighthouse, "127.0.0.1", "127.0.0.1:0", "127.0.0.1:1",
+                           world_size=1, heartbeat_interval=timedelta(milliseconds=100),
+                           connect_timeout=T)
+    ctx.store().set("addr", server.address())
+    time.sleep(60)
+
+
+def test_kill_exits_the_server_process(lighthouse: LighthouseServer) -> None:
+    from ftdist.testing import Ranks
+
+    with Ranks(_serve_until_killed, 1, args=(lighthouse.address(),)) as ranks:
+        from ftdist.testing import RankContext
+
+        store = RankContext(0, 1, "127.0.0.1", ranks.store_port, ranks._prefix).store()
+        address = store.get("addr").decode()
+        with ManagerClient(address, T) as c:
+            c.kill("killed by the test")
+        outcome = ranks.join(timeout=20)[0]
+    assert outcome.exitcode == 1
