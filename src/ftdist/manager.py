@@ -42,6 +42,7 @@ from ftdist.checkpointing import CheckpointTransport, HTTPTransport
 from ftdist.coordination.manager_client import ManagerClient
 from ftdist.coordination.manager_rule import QuorumResult
 from ftdist.errors import FtdistError, ProcessGroupAbortedError, StateDivergenceError
+from ftdist.managed_work import ManagedWork
 from ftdist.manager_settings import ManagerSettings
 from ftdist.process_group import ProcessGroup
 from ftdist.process_group.work import _DummyWork
@@ -70,54 +71,6 @@ class ExceptionWithTraceback(FtdistError):
         self.original_exception = e
         self.stack_trace = "".join(traceback.format_exception(e))
         super().__init__(f"{e}\n{self.stack_trace}")
-
-
-class _ManagedWork(dist._Work):
-    """A Manager allreduce: never raises; averages on completion."""
-
-    def __init__(self, manager: Manager, work: dist.Work, tensor: torch.Tensor,
-                 divisor: int | None) -> None:
-        super().__init__()
-        self._manager = manager
-        self._work = work
-        self._tensor = tensor
-        self._divisor = divisor
-        self._lock = threading.Lock()
-        self._future: torch.futures.Future | None = None
-
-    def _finish(self) -> None:
-        with self._lock:
-            divisor, self._divisor = self._divisor, None
-        if divisor:
-            self._tensor /= divisor
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        """Wait for the allreduce; on failure record it and return False."""
-        try:
-            self._work.wait(timeout or self._manager._settings.timeout)
-        except Exception as exc:
-            self._manager.report_error(exc)
-            return False
-        self._finish()
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        """Resolves to the (averaged) tensor; on failure, to the tensor as is."""
-        if self._future is None:
-            def done(fut: torch.futures.Future) -> torch.Tensor:
-                try:
-                    fut.value()
-                except Exception as exc:
-                    self._manager.report_error(exc)
-                    return self._tensor
-                self._finish()
-                return self._tensor
-
-            self._future = self._work.get_future().then(done)
-        return self._future
-
-    def is_completed(self) -> bool:
-        return bool(self._work.is_completed())
 
 
 class Manager:
@@ -238,7 +191,7 @@ class Manager:
         self._timeline: HealTimeline | None = None
         self.heal_timelines: list[HealTimeline] = []
         self._source_clients: dict[str, ManagerClient] = {}
-        self._pending_works: list[_ManagedWork] = []
+        self._pending_works: list[ManagedWork] = []
 
         from ftdist.manager_bootstrap import bootstrap
 
@@ -502,7 +455,7 @@ class Manager:
         except Exception as exc:
             self.report_error(exc)
             return _DummyWork(tensor)
-        managed = _ManagedWork(self, work, tensor, divisor)
+        managed = ManagedWork(self, work, tensor, divisor)
         self._pending_works.append(managed)
         return managed
 
