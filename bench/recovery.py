@@ -44,16 +44,17 @@ baseline, side by side with it.
 (d) **Checkpoint transports, 1 GiB over loopback**, between two processes:
     ``HTTPTransport`` (one stream, and ``num_chunks=4``) and ``PGTransport`` over
     ``ftdist.process_group.ProcessGroupGloo`` (2 ranks), 64 tensors of 16 MiB.
-    Each transfer is timed by the receiver (``last_transfer``; both sides pass
-    a barrier first). Receivers allocate fresh tensors, as in a heal; a
+    Each transfer is timed by the receiver (``last_transfer``); PGTransport
+    transfers start after a barrier, as both sides take part (the HTTP source
+    just serves). Receivers allocate fresh tensors, as in a heal; a
     ``PGTransport(state_dict=...)`` row receives in place into existing tensors
     instead. A raw TCP copy of the same bytes between the same two processes,
     and this machine's CRC-32 and fresh-memory speeds, are shown for
     reference.
 
 Nothing is asserted: the script prints, and ends with PASS/MISS per target.
-Run ``python bench/recovery.py`` (about 3 minutes on 2 cores) or ``--quick``
-for a rough smoke run (about 40 s); ``--parts`` picks sections.
+Run ``python bench/recovery.py`` (about 2.5 minutes on 2 cores) or ``--quick``
+for a rough smoke run (about 20 s); ``--parts`` picks sections.
 """
 
 from __future__ import annotations
@@ -851,7 +852,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--transport-tensor-mib", type=int, default=16,
                         help="(d) MiB per tensor (default 16)")
     parser.add_argument("--transport-reps", type=int, default=None,
-                        help="(d) transfers per transport (default 5, quick 1)")
+                        help="(d) transfers per transport (default 7, quick 1)")
     args = parser.parse_args(argv)
     quick = args.quick
 
@@ -865,7 +866,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.failover_reps = pick(args.failover_reps, 3, 1)
     args.replace_reps = pick(args.replace_reps, 3, 1)
     args.transport_tensors = pick(args.transport_tensors, 64, 16)
-    args.transport_reps = pick(args.transport_reps, 5, 1)
+    args.transport_reps = pick(args.transport_reps, 7, 1)
     parts = set(args.parts.lower())
     if not parts or not parts <= set("abcd"):
         parser.error("--parts takes letters from 'abcd'")

@@ -375,9 +375,9 @@ class Manager:
         self._healing = True
         timeline = HealTimeline(quorum.max_step, quorum.quorum_id, "receive",
                                 [quorum.recover_src_replica_rank], quorum_s, reconfigure_s)
-        start = time.perf_counter()
         metadata = self._source_client(quorum.recover_src_manager_address).checkpoint_metadata(
             self._group_rank, self._settings.timeout)
+        start = time.perf_counter()
         state = self._transport.recv_checkpoint(quorum.recover_src_replica_rank, metadata,
                                                 quorum.max_step, self._settings.timeout)
         timeline.transfer_s = time.perf_counter() - start
@@ -485,8 +485,12 @@ class Manager:
             self.wait_quorum()
         enough = self.num_participants() >= self._min_replica_size
         local = enough and self._errored is None
-        decision = self._client.should_commit(self._group_rank, self._step, local,
-                                              timeout or self._settings.timeout)
+        if self._settings.group_world_size == 1:
+            # A vote of one: no round trip to the server.
+            decision = local
+        else:
+            decision = self._client.should_commit(self._group_rank, self._step, local,
+                                                  timeout or self._settings.timeout)
         self._transport.disallow_checkpoint()
         logger.debug("%s commit vote %s -> %s", self._prefix(), local, decision)
         if decision:

@@ -98,6 +98,7 @@ def train(ctx: RankContext, lighthouse: str, group_size: int, steps: int,
     commit_times: list[float] = []
     corrupted: list[bool] = []
     errors: list[str] = []
+    held: list[bool] = []
     pg = ProcessGroupGloo(timeout=timeout) if pg_kind == "gloo" else ProcessGroupBabyGloo(timeout)
 
     ballast = torch.zeros(int(actions.get("ballast_mb", 0) * 2**20) // 4)
@@ -125,6 +126,8 @@ def train(ctx: RankContext, lighthouse: str, group_size: int, steps: int,
         max_retries=actions.get("max_retries"),
         **actions.get("manager_kwargs", {}),
     )
+    if attempt > 0:
+        ctx.store().add("rejoined", 1)  # a replacement is up: held survivors go on
     if actions.get("die_while_serving"):
         _die_while_serving(ctx, manager)
     if actions.get("pure_ddp"):
@@ -140,6 +143,13 @@ def train(ctx: RankContext, lighthouse: str, group_size: int, steps: int,
         while manager.current_step() < steps:
             attempts += 1
             step = manager.current_step()
+            if actions.get("hold_until_rejoin_at") == step and not held:
+                # Wait (not training) until a replacement started, so that a
+                # loaded machine cannot let this survivor finish alone first.
+                held.append(True)
+                deadline = time.monotonic() + 60
+                while int(ctx.store().add("rejoined", 0)) < 1 and time.monotonic() < deadline:
+                    time.sleep(0.02)
             if actions.get("die_at_step") == step and not actions.get("mid_allreduce"):
                 os.kill(os.getpid(), signal.SIGKILL)
             opt.zero_grad()

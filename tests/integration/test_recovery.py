@@ -50,7 +50,8 @@ def test_killed_group_restarts_heals_and_ends_identical(lighthouse: str, groups:
     victim = rng.randrange(groups)
     die_at = rng.randrange(3, 10)
     steps = 40
-    actions = {r: dict(SLOW) for r in range(groups * group_size)}
+    actions = {r: {**SLOW, "hold_until_rejoin_at": die_at + 2}
+               for r in range(groups * group_size)}
     for g in range(group_size):
         actions[victim * group_size + g] = {"die_at_step": die_at, **SLOW}
     results = _run(lighthouse, groups, group_size, steps, actions, [dict.fromkeys(range(groups * group_size), SLOW)])
@@ -62,7 +63,7 @@ def test_killed_group_restarts_heals_and_ends_identical(lighthouse: str, groups:
 
 @pytest.mark.timeout(150)
 def test_group_killed_while_healing_restarts_again(lighthouse: str) -> None:
-    actions = {0: dict(SLOW), 1: {"die_at_step": 4, **SLOW}}
+    actions = {0: {**SLOW, "hold_until_rejoin_at": 6}, 1: {"die_at_step": 4, **SLOW}}
     again = {0: dict(SLOW), 1: {"die_during_heal": True}}
     results = _run(lighthouse, 2, 1, 40, actions, [again, {0: dict(SLOW), 1: dict(SLOW)}])
     assert_consistent(results, 40)
@@ -73,7 +74,8 @@ def test_healing_source_killed_mid_transfer(lighthouse: str) -> None:
     # Replica 2 dies and restarts; when it heals, whichever replica serves it
     # dies while the (large) state is still streaming. It heals from the other.
     big = {"ballast_mb": 64, "finishers": 2, **SLOW}
-    actions = {0: {**big, "die_while_serving": True}, 1: {**big, "die_while_serving": True},
+    actions = {0: {**big, "die_while_serving": True, "hold_until_rejoin_at": 5},
+               1: {**big, "die_while_serving": True, "hold_until_rejoin_at": 5},
                2: {"die_at_step": 3, **big}}
     world = 3
     with Ranks(train, world, args=(lighthouse, 1, 40, actions)) as ranks:
@@ -124,7 +126,8 @@ def _expect_raise(outcome: Any, *needles: str) -> None:
 
 @pytest.mark.timeout(90)
 def test_a_heal_that_loads_incompletely_is_reported_and_never_commits(lighthouse: str) -> None:
-    actions = {0: {**SLOW, "finishers": 1}, 1: {"die_at_step": 3, **SLOW}}
+    actions = {0: {**SLOW, "finishers": 1, "hold_until_rejoin_at": 5},
+               1: {"die_at_step": 3, **SLOW}}
     with Ranks(train, 2, args=(lighthouse, 1, 30, actions)) as ranks:
         _wait_dead(ranks, [1])
         ranks.restart(1, lighthouse, 1, 30, {1: {"stale_lr_on_heal": True, "max_retries": 2}}, 1)
@@ -139,7 +142,8 @@ def test_replicas_that_diverge_after_a_heal_are_caught_at_the_next_quorum(lighth
     # The survivor corrupts its own weights right after serving a heal; the
     # fingerprints both replicas send with the next quorum differ, and
     # neither may commit from then on.
-    actions = {0: {**SLOW, "corrupt_after_heal": True, "max_retries": 2},
+    actions = {0: {**SLOW, "corrupt_after_heal": True, "max_retries": 2,
+                   "hold_until_rejoin_at": 5},
                1: {"die_at_step": 3, **SLOW}}
     with Ranks(train, 2, args=(lighthouse, 1, 30, actions)) as ranks:
         _wait_dead(ranks, [1])

@@ -150,15 +150,6 @@ def chunks(header: bytes, tensors: list[torch.Tensor]) -> Iterator[memoryview | 
     yield _TRAILER.pack(total, crc)
 
 
-def checksum(header: bytes, tensors: list[torch.Tensor]) -> tuple[int, int]:
-    """(byte count, CRC-32) of a plan: what the trailer of its stream says."""
-    last: memoryview | bytes = b""
-    for buf in chunks(header, tensors):
-        last = buf
-    total, crc = _TRAILER.unpack(last)
-    return int(total), int(crc)
-
-
 def crc_update(crc: int, t: torch.Tensor) -> int:
     """Fold the bytes of tensor ``t`` (any device) into ``crc``."""
     if t.device.type == "cpu":

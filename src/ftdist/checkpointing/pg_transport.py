@@ -70,15 +70,21 @@ class PGTransport(CheckpointTransport[T]):
         """
         start = time.perf_counter()
         header, tensors = _wire.plan(state_dict, step)[0]
-        total, crc = _wire.checksum(header, tensors)
-        raw = torch.frombuffer(bytearray(_wire.stream_prefix(header) + header), dtype=torch.uint8)
+        prefix = _wire.stream_prefix(header) + header
+        raw = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
         for dst in dst_ranks:
             self._wait(self._pg.send([torch.tensor([raw.numel()], dtype=torch.int64)], dst,
                                      _TAG_LEN), timeout)
             self._wait(self._pg.send([raw.to(self._device)], dst, _TAG_HEADER), timeout)
+            # The CRC is folded in while each tensor is on the wire: no
+            # separate pass over the state before sending.
+            crc, total = zlib.crc32(prefix), len(prefix)
             for i, t in enumerate(tensors):
                 wire = t.contiguous().reshape(-1).view(torch.uint8).to(self._device)
-                self._wait(self._pg.send([wire], dst, _TAG_TENSOR + i), timeout)
+                work = self._pg.send([wire], dst, _TAG_TENSOR + i)
+                crc = _wire.crc_update(crc, t)
+                total += t.numel() * t.element_size()
+                self._wait(work, timeout)
             self._wait(self._pg.send([torch.tensor([total, crc], dtype=torch.int64)], dst,
                                      _TAG_TRAILER), timeout)
         self.last_transfer = TransferStats(total * len(dst_ranks), time.perf_counter() - start)

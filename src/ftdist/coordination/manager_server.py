@@ -166,13 +166,14 @@ class ManagerServer:
             current = self._quorum_round
             current.arrivals[rank] = request
             current.deadlines[rank] = time.monotonic() + remaining
-            if len(current.arrivals) == self._world_size:
+            last = len(current.arrivals) == self._world_size
+            if last:
                 self._quorum_round = _Round()
-                # The earliest deadline bounds the lighthouse call, so that
-                # its failure reaches every waiting rank at the same moment.
-                timeout = min(current.deadlines.values()) - time.monotonic()
-                threading.Thread(target=self._run_quorum, args=(current, timeout),
-                                 name="ftdist-mgr-quorum", daemon=True).start()
+        if last:
+            # The last rank to arrive runs the round on its own handler
+            # thread. The earliest deadline bounds the lighthouse call, so
+            # that its failure reaches every waiting rank at the same moment.
+            self._run_quorum(current, min(current.deadlines.values()) - time.monotonic())
         if not current.done.wait(remaining):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                           f"quorum did not complete: {len(current.arrivals)} of "

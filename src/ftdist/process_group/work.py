@@ -144,11 +144,8 @@ def on_complete(inner: Any, callback: Callable[[Any, BaseException | None], None
             except Exception as exc:
                 callback(None, exc)
                 return
-            try:
-                value = inner.result()
-            except RuntimeError:  # "Work::result not implemented" (send/recv)
-                value = None
-            callback(value, None)
+            # Works without a future (send/recv) carry no result either.
+            callback(None, None)
 
         threading.Thread(target=waiter, name="ftdist-work-wait", daemon=True).start()
         return
