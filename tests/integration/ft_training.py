@@ -99,6 +99,7 @@ def train(ctx: RankContext, lighthouse: str, group_size: int, steps: int,
     corrupted: list[bool] = []
     errors: list[str] = []
     held: list[bool] = []
+    served_before = 0
     pg = ProcessGroupGloo(timeout=timeout) if pg_kind == "gloo" else ProcessGroupBabyGloo(timeout)
 
     ballast = torch.zeros(int(actions.get("ballast_mb", 0) * 2**20) // 4)
@@ -147,6 +148,7 @@ def train(ctx: RankContext, lighthouse: str, group_size: int, steps: int,
                 # Wait (not training) until a replacement started, so that a
                 # loaded machine cannot let this survivor finish alone first.
                 held.append(True)
+                served_before = len(manager.heal_timelines)
                 deadline = time.monotonic() + 60
                 while int(ctx.store().add("rejoined", 0)) < 1 and time.monotonic() < deadline:
                     time.sleep(0.02)
@@ -168,8 +170,10 @@ def train(ctx: RankContext, lighthouse: str, group_size: int, steps: int,
             if manager.current_step() > before:
                 committed.append(before)
                 commit_times.append(time.time())
-                served = any(t.role == "send" for t in manager.heal_timelines)
-                if actions.get("corrupt_after_heal") and served and not corrupted:
+                # Only a heal served to the replacement (after the hold)
+                # counts, not the initial step-0 sync.
+                served = any(t.role == "send" for t in manager.heal_timelines[served_before:])
+                if actions.get("corrupt_after_heal") and held and served and not corrupted:
                     # Silent corruption right after serving a heal: the next
                     # quorum's fingerprint comparison must catch it.
                     corrupted.append(True)
