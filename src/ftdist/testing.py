@@ -157,6 +157,9 @@ class Ranks:
     Leaving the ``with`` block kills every rank still running, so no child
     outlives its test, whatever the test did.
 
+    Raises:
+        ValueError: ``world_size`` is not a positive int.
+
     Example::
 
         with Ranks(body, world_size=3) as ranks:

@@ -286,7 +286,10 @@ class ProcessGroupBaby(ProcessGroup):
     """A reconfigurable group whose backend runs in a child process.
 
     CPU tensors are moved to shared memory the first time they are used (in
-    place: ``share_memory_()``) and are never copied per op. CUDA tensors are
+    place: ``share_memory_()``) and are never copied per op. Each distinct
+    tensor storage costs one file descriptor in this process and one in the
+    child for as long as it lives: keep collective buffers few and reused
+    (DDP's buckets are), or raise ``ulimit -n``. CUDA tensors are
     shared through CUDA IPC and synchronised with inter-process events: as
     with NCCL, ``wait()`` orders the current stream, call
     ``torch.cuda.synchronize()`` for a CPU sync.

@@ -135,6 +135,15 @@ class ProcessGroup(BaseProcessGroup):
 
     As the size can change at runtime, callers must not cache ``rank()`` or
     ``size()`` across a reconfigure.
+
+    Every collective method returns a ``torch.distributed.Work``.
+
+    Raises:
+        RuntimeError: a collective before the first :meth:`configure` (or
+            after :meth:`abort`), or one the backend does not support.
+        TypeError: tensors or ranks of the wrong type, before communicating.
+        ValueError: a peer rank outside the group, or ``ReduceOp.AVG`` of
+            integer tensors, before communicating.
     """
 
     def __init__(self, *args: object, **kwargs: object) -> None:

@@ -36,7 +36,11 @@ class ManagedProcessGroup(ProcessGroupWrapper):
 
     Args:
         manager: a :class:`ftdist.manager.Manager` (or anything with ``_pg``,
-            ``allreduce(tensor, reduce_op=...)`` and ``num_participants()``).
+            ``allreduce(tensor, reduce_op=...)``, ``num_participants()`` and
+            ``participating_rank()``).
+
+    Raises:
+        TypeError: the manager's group is not a torch ProcessGroup.
     """
 
     def __init__(self, manager: _ManagerLike) -> None:

@@ -93,6 +93,9 @@ class Generation:
         description: names the group in error messages.
         timeout: the backend's collective timeout; waits give up after it plus
             :data:`WAIT_MARGIN` even if the backend never reports.
+
+    Raises:
+        Nothing; :meth:`abort` hands its error to the waiters.
     """
 
     def __init__(self, description: str, timeout: timedelta) -> None:
@@ -199,6 +202,10 @@ class FtWork(dist._Work):
         op: the collective's name, for error messages.
         post: run once after the inner work succeeds and before anyone sees the
             result (e.g. the division that emulates ``ReduceOp.AVG``).
+
+    Raises:
+        ProcessGroupAbortedError, CollectiveTimeoutError, CommunicationError:
+            from :meth:`wait` (see there); the future fails with the same.
     """
 
     def __init__(

@@ -320,6 +320,10 @@ class ProcessGroupGloo(ProcessGroupWrapper):
     Args:
         timeout: the collective timeout; a dead or stopped peer makes waits
             raise within it (plus a small margin).
+
+    Raises:
+        TypeError: ``timeout`` is not a timedelta or a number of seconds.
+        ValueError: ``timeout`` is not positive.
     """
 
     def __init__(self, timeout: timedelta | float = DEFAULT_TIMEOUT) -> None:
