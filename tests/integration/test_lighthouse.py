@@ -10,7 +10,6 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 
 import grpc
@@ -31,15 +30,6 @@ from tests.integration.lighthouse_helpers import (
 )
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def lh() -> Iterator[Lighthouses]:
-    lighthouses = Lighthouses()
-    try:
-        yield lighthouses
-    finally:
-        lighthouses.close()
 
 
 # -- item 6: quorum scenarios -------------------------------------------------

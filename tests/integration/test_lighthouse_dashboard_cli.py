@@ -11,7 +11,6 @@ import sys
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -30,15 +29,6 @@ from tests.integration.lighthouse_helpers import (
 )
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def lh() -> Iterator[Lighthouses]:
-    lighthouses = Lighthouses()
-    try:
-        yield lighthouses
-    finally:
-        lighthouses.close()
 
 
 class FakeManager:

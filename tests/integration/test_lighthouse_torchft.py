@@ -9,7 +9,6 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
-from collections.abc import Iterator
 from datetime import timedelta
 from types import ModuleType
 
@@ -39,15 +38,6 @@ def _load_native_torchft() -> ModuleType:
 @pytest.fixture(scope="module")
 def tft() -> ModuleType:
     return _load_native_torchft()
-
-
-@pytest.fixture
-def lh() -> Iterator[Lighthouses]:
-    lighthouses = Lighthouses()
-    try:
-        yield lighthouses
-    finally:
-        lighthouses.close()
 
 
 def _local(address: str) -> str:
