@@ -420,18 +420,20 @@ class LighthouseEngine:
             if current is None or replica_id not in current.member_ids \
                     or replica_id in self._failed_reported:
                 continue
-            # Forget its heartbeat so the next quorum forms without it; a
-            # group whose other ranks live will heartbeat again, and simply
-            # not complete the next quorum request.
+            # Forget its heartbeat so the next quorum (evaluated by the tick
+            # that called this) forms without it; a group whose other ranks
+            # live will heartbeat again, and simply not complete the next
+            # quorum request.
             self.state.heartbeats.pop(replica_id, None)
-            self._failed_reported.add(replica_id)
-            self.num_member_failures += 1
-            reason = f"its connection to the lighthouse closed {now - since:.1f} s ago"
-            logger.warning("Member %s of quorum %d failed: %s", replica_id,
-                           current.quorum.quorum_id, reason)
-            self._publish(ftdist_pb2.MEMBER_FAILED, replica_id=replica_id, reason=reason)
-            if self.state.participants:
-                self._evaluate(now)
+            self._report_failed(current, replica_id,
+                                f"its connection to the lighthouse closed {now - since:.1f} s ago")
+
+    def _report_failed(self, current: FormedQuorum, replica_id: str, reason: str) -> None:
+        self._failed_reported.add(replica_id)
+        self.num_member_failures += 1
+        logger.warning("Member %s of quorum %d failed: %s", replica_id,
+                       current.quorum.quorum_id, reason)
+        self._publish(ftdist_pb2.MEMBER_FAILED, replica_id=replica_id, reason=reason)
 
     def _report_dead_members(self, now: float) -> None:
         current = self.current
@@ -445,14 +447,8 @@ class LighthouseEngine:
             seen = heartbeats.get(replica_id)
             age = math.inf if seen is None else now - seen
             if age >= timeout:
-                self._failed_reported.add(replica_id)
-                self.num_member_failures += 1
-                reason = f"no heartbeat for {age:.1f} s (heartbeat timeout {timeout:g} s)"
-                logger.warning(
-                    "Member %s of quorum %d failed: %s",
-                    replica_id, current.quorum.quorum_id, reason,
-                )
-                self._publish(ftdist_pb2.MEMBER_FAILED, replica_id=replica_id, reason=reason)
+                self._report_failed(current, replica_id, f"no heartbeat for {age:.1f} s "
+                                                         f"(heartbeat timeout {timeout:g} s)")
 
     # -- failure news -----------------------------------------------------
 

@@ -374,21 +374,23 @@ class ProcessGroupNCCL(ProcessGroupWrapper):
         """Abort the communicator (``ncclCommAbort``) so stuck kernels exit; configure to resume."""
         backend = self._pg
         super().abort()
-        if backend is not None and not isinstance(backend, ProcessGroup) and not self._static:
-            try:
-                backend.abort()
-            except Exception:
-                logger.warning("NCCL abort failed", exc_info=True)
+        if not isinstance(backend, ProcessGroup) and not self._static:
+            _abort_communicator(backend)
 
     def _bury(self, backend: Any) -> None:
-        # ncclCommAbort is what unblocks kernels stuck on a dead peer; unlike
-        # Gloo's abort it does not wait for the op to finish.
-        if backend is not None:
-            try:
-                backend.abort()
-            except Exception:
-                logger.warning("NCCL abort failed", exc_info=True)
+        _abort_communicator(backend)
         super()._bury(backend)
+
+
+def _abort_communicator(backend: Any) -> None:
+    # ncclCommAbort is what unblocks kernels stuck on a dead peer; unlike
+    # Gloo's abort it does not wait for the op to finish.
+    if backend is None:
+        return
+    try:
+        backend.abort()
+    except Exception:
+        logger.warning("NCCL abort failed", exc_info=True)
 
 
 class _NCCLWork(FtWork):
