@@ -1,10 +1,11 @@
-"""The wire format: message, field names and numbers as torchft's (section 1.2)."""
+"""The wire format: message, field names and numbers as torchft's (section 1.2),
+and ftdist's own service, which released clients already call."""
 
 from __future__ import annotations
 
 import pytest
 
-from ftdist.coordination._proto import torchft_pb2
+from ftdist.coordination._proto import ftdist_pb2, torchft_pb2
 
 # (message, {field name: number}) from torchft's proto, including the fields
 # its 2026 wheels added; ftdist's own extensions use numbers >= 100.
@@ -56,3 +57,32 @@ def test_optional_fields_keep_presence() -> None:
     assert not response.HasField("recover_src_replica_rank")
     response.recover_src_replica_rank = 0
     assert response.HasField("recover_src_replica_rank")
+
+
+# ftdist's own protocol: changing a number or a method breaks clients of
+# other ftdist versions, so additions only.
+FTDIST = {
+    "SubscribeRequest": {"replica_id": 1},
+    "LighthouseEvent": {"kind": 1, "quorum_id": 2, "replica_id": 3, "reason": 4, "time": 5,
+                        "replica_ids": 6},
+    "StatusRequest": {},
+    "StatusResponse": {"status_json": 1},
+}
+
+
+@pytest.mark.parametrize("message", sorted(FTDIST))
+def test_ftdist_fields(message: str) -> None:
+    descriptor = ftdist_pb2.DESCRIPTOR.message_types_by_name[message]
+    assert {f.name: f.number for f in descriptor.fields} == FTDIST[message]
+
+
+def test_ftdist_service() -> None:
+    assert ftdist_pb2.DESCRIPTOR.package == "ftdist"
+    service = ftdist_pb2.DESCRIPTOR.services_by_name["LighthouseEvents"]
+    methods = {m.name: (m.input_type.name, m.output_type.name, m.server_streaming)
+               for m in service.methods}
+    assert methods == {
+        "Subscribe": ("SubscribeRequest", "LighthouseEvent", True),
+        "Status": ("StatusRequest", "StatusResponse", False),
+    }
+    assert list(ftdist_pb2.DESCRIPTOR.services_by_name) == ["LighthouseEvents"]

@@ -21,6 +21,7 @@ from ftdist.coordination._proto import torchft_pb2
 from ftdist.errors import CoordinationError, CoordinationTimeoutError
 
 __all__ = [
+    "EVENTS_STATUS",
     "EVENTS_SUBSCRIBE",
     "LIGHTHOUSE_HEARTBEAT",
     "LIGHTHOUSE_QUORUM",
@@ -46,6 +47,7 @@ MANAGER_SHOULD_COMMIT = f"/{MANAGER_SERVICE}/ShouldCommit"
 MANAGER_KILL = f"/{MANAGER_SERVICE}/Kill"
 EVENTS_SERVICE = "ftdist.LighthouseEvents"
 EVENTS_SUBSCRIBE = f"/{EVENTS_SERVICE}/Subscribe"
+EVENTS_STATUS = f"/{EVENTS_SERVICE}/Status"
 
 # A quorum of 1024 members with user data can be several MiB.
 _MAX_MESSAGE_BYTES = 256 * 1024 * 1024

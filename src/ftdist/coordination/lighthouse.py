@@ -13,7 +13,9 @@ and, at each step, asks it which replica groups train together (the quorum).
 * ``ftdist.LighthouseEvents`` (``Subscribe``): a stream of failure news. When
   a member of the current quorum stops heartbeating, every subscriber hears it
   within one quorum tick of the heartbeat timeout, without waiting for its
-  next quorum call. torchft clients never call it.
+  next quorum call. torchft clients never call it. Its ``Status`` call returns
+  the dashboard's status document (``ftdist status``), so a terminal needs
+  only the gRPC address, not the dashboard port.
 
 and, on a second port, the dashboard of :mod:`ftdist.coordination.dashboard`.
 
@@ -33,6 +35,7 @@ never disturb the other clients.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import socket
 import threading
@@ -195,6 +198,7 @@ class LighthouseServer:
                 _rpc.LIGHTHOUSE_QUORUM: self._handle_quorum,
                 _rpc.LIGHTHOUSE_HEARTBEAT: self._handle_heartbeat,
                 _rpc.EVENTS_SUBSCRIBE: self._handle_subscribe,
+                _rpc.EVENTS_STATUS: self._handle_status,
             },
             _rpc.server_options(),
             tick=self._tick,
@@ -403,3 +407,17 @@ class LighthouseServer:
         rpc.on_cancel(cancelled)
         engine.subscribe(stream)
         engine.stream_opened(replica_id)
+
+    def _handle_status(self, rpc: RpcCall, request: bytes) -> None:
+        try:
+            ftdist_pb2.StatusRequest.FromString(request)
+        except DecodeError:
+            rpc.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "request is not a valid ftdist.StatusRequest"
+            )
+            return
+        # Handlers run on the server thread, which is the engine's loop, as
+        # build_status requires.
+        document = build_status(self._engine, self.config)
+        response = ftdist_pb2.StatusResponse(status_json=json.dumps(document))
+        rpc.reply(response.SerializeToString())

@@ -4,8 +4,10 @@ Lighthouse client
 
 :class:`LighthouseClient` talks to any lighthouse that speaks
 ``torchft.LighthouseService`` (ftdist's or torchft's) with torchft's Python
-API: ``quorum(...)`` and ``heartbeat(...)``, plus ftdist's failure-news
-stream, :meth:`LighthouseClient.subscribe` (ftdist lighthouses only).
+API: ``quorum(...)`` and ``heartbeat(...)``, plus two ftdist extensions
+(ftdist lighthouses only): the failure-news stream,
+:meth:`LighthouseClient.subscribe`, and the status document,
+:meth:`LighthouseClient.status`.
 
 Connection handling:
 
@@ -46,6 +48,7 @@ from ftdist.errors import CoordinationError, CoordinationTimeoutError
 __all__ = ["LighthouseClient", "LighthouseEventStream"]
 
 _DEFAULT_HEARTBEAT_TIMEOUT = timedelta(seconds=5)
+_DEFAULT_STATUS_TIMEOUT = timedelta(seconds=5)
 
 
 class LighthouseEventStream:
@@ -138,6 +141,11 @@ class LighthouseClient:
             _rpc.EVENTS_SUBSCRIBE,
             request_serializer=ftdist_pb2.SubscribeRequest.SerializeToString,
             response_deserializer=ftdist_pb2.LighthouseEvent.FromString,
+        )
+        self._status_rpc = self._channel.unary_unary(
+            _rpc.EVENTS_STATUS,
+            request_serializer=ftdist_pb2.StatusRequest.SerializeToString,
+            response_deserializer=ftdist_pb2.StatusResponse.FromString,
         )
         try:
             self._ensure_connected(self._connect_s, "connect")
@@ -264,6 +272,52 @@ class LighthouseClient:
         self._ensure_connected(self._connect_s, "Subscribe")
         call = self._subscribe_rpc(ftdist_pb2.SubscribeRequest(replica_id=replica_id))
         return LighthouseEventStream(call, f"event stream from lighthouse at {self.addr}")
+
+    def status(self, timeout: timedelta | float = _DEFAULT_STATUS_TIMEOUT) -> dict[str, Any]:
+        """Fetch the lighthouse's status document (ftdist lighthouses only).
+
+        The document is the one the dashboard serves at ``/status.json``
+        (:func:`ftdist.coordination.dashboard.build_status`): the current
+        quorum and its members, parked requests, heartbeat ages and why the
+        next quorum is or is not ready. Newer lighthouses may add keys.
+
+        Args:
+            timeout: how long to wait (a timedelta or seconds).
+
+        Returns:
+            The document, parsed from JSON.
+
+        Raises:
+            ValueError: if ``timeout`` is not positive.
+            TypeError: if ``timeout`` is neither a timedelta nor a number.
+            CoordinationTimeoutError: if the call ran past ``timeout``.
+            CoordinationError: if the lighthouse is unreachable, does not
+                serve ``Status`` (torchft's lighthouse, an older ftdist), or
+                answered with something that is not a JSON object.
+        """
+        timeout_s = _rpc.to_seconds("timeout", timeout)
+        try:
+            response = self._call(self._status_rpc, ftdist_pb2.StatusRequest(), timeout_s, "Status")
+        except CoordinationError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, grpc.Call) and cause.code() is grpc.StatusCode.UNIMPLEMENTED:
+                raise CoordinationError(
+                    f"lighthouse at {self.addr} does not serve ftdist's Status call; it is "
+                    "torchft's lighthouse or an older ftdist (use its dashboard instead)"
+                ) from exc
+            raise
+        try:
+            document = json.loads(response.status_json)
+        except ValueError as exc:
+            raise CoordinationError(
+                f"lighthouse at {self.addr} sent a status that is not JSON: {exc}"
+            ) from exc
+        if not isinstance(document, dict):
+            raise CoordinationError(
+                f"lighthouse at {self.addr} sent a status that is not a JSON object "
+                f"(got {type(document).__name__})"
+            )
+        return document
 
     # -- plumbing -----------------------------------------------------------
 

@@ -42,3 +42,13 @@ class LighthouseEvent(_message.Message):
     time: _timestamp_pb2.Timestamp
     replica_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., quorum_id: _Optional[int] = ..., replica_id: _Optional[str] = ..., reason: _Optional[str] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., replica_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("status_json",)
+    STATUS_JSON_FIELD_NUMBER: _ClassVar[int]
+    status_json: str
+    def __init__(self, status_json: _Optional[str] = ...) -> None: ...
