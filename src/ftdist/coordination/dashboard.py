@@ -24,9 +24,12 @@ Deviation from torchft: torchft serves this on the gRPC port; here it has its
 own port (see :mod:`ftdist.coordination.lighthouse`). ``/status`` is JSON
 rather than an HTML fragment.
 
-Page hooks for browser tests: ``#quorum-id``, ``#next-reason``,
-``#quorum-age``, ``#members`` with one ``.member[data-replica-id]`` per
-member (class ``recovering`` when behind), ``#heartbeats`` with one
+Page hooks for browser tests: ``#quorum-id``, ``#num-members``,
+``#max-step``, ``#quorum-age``, ``#num-heartbeating``, ``#num-waiting``,
+``#next-reason``, ``#error``, ``#members`` with one
+``.member[data-replica-id]`` per member (class ``recovering`` when behind;
+fields ``.rid``, ``dd.step``, ``dd.manager``, ``dd.store``,
+``dd.world-size``, ``dd.heartbeat-age``), ``#heartbeats`` with one
 ``.heartbeat[data-replica-id]`` each (class ``old`` when expired),
 ``button.kill[data-replica-id]`` and the ``#kill-token`` input.
 """
