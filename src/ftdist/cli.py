@@ -22,9 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     # Subcommands register here as their issues land (lighthouse, status, demo).
-    from ftdist.coordination import lighthouse_cli
+    from ftdist.coordination import lighthouse_cli, status_cli
+    from ftdist.demo import cli as demo_cli
 
     lighthouse_cli.register(sub)
+    status_cli.register(sub)
+    demo_cli.register(sub)
     return parser
 
 

@@ -230,6 +230,29 @@ class Ranks:
         self._conns[rank].close()
         self._procs[rank], self._conns[rank] = self._spawn(rank, args, kwargs)
 
+    def outcome(self, rank: int) -> RankOutcome | None:
+        """The outcome of the rank's current process if it has exited, else None.
+
+        Unlike :meth:`join` this neither waits nor stops the other ranks.
+
+        Raises:
+            Nothing.
+        """
+        proc, conn = self._procs[rank], self._conns[rank]
+        if proc.exitcode is None:
+            return None
+        out = RankOutcome(rank=rank, exitcode=proc.exitcode)
+        if not conn.closed and conn.poll(0):
+            try:
+                kind, payload = conn.recv()
+            except (EOFError, OSError):
+                return out
+            if kind == "ok":
+                out.value = payload
+            else:
+                out.error = payload
+        return out
+
     def exitcode(self, rank: int) -> int | None:
         """The rank's current process exit code (None while running)."""
         return self._procs[rank].exitcode
@@ -243,6 +266,20 @@ class Ranks:
     def store_port(self) -> int:
         """Port of the run's TCPStore (the parent hosts it)."""
         return int(self._store.port)
+
+    def parent_store(self) -> Any:
+        """A ``PrefixStore`` on the run's TCPStore, for the parent to talk to ranks.
+
+        Keys set here are what a rank reads through ``ctx.store()``.
+
+        Raises:
+            RuntimeError: the ranks were not started.
+        """
+        import torch.distributed as dist
+
+        if self._store is None:
+            raise RuntimeError("start() the ranks before asking for their store")
+        return dist.PrefixStore(self._prefix, self._store)
 
     def signal(self, rank: int, sig: int) -> None:
         """Send ``sig`` to a rank (SIGKILL, SIGSTOP, SIGCONT, ...)."""

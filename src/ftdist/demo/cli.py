@@ -1,0 +1,269 @@
+"""
+``ftdist demo``
+===============
+
+Parses the options, starts (or joins) the lighthouse, runs the failure run
+and optionally the baseline through :class:`~ftdist.demo.supervisor.Supervisor`,
+then writes ``report.json`` and ``report.png`` and prints the report.
+
+Exit status: 0 when the verdict passes, 1 when it fails, 130 when Ctrl-C
+ended the demo (the report is written all the same).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import os
+import platform
+import shutil
+import signal
+import sys
+import uuid
+from dataclasses import asdict, dataclass, replace
+from typing import Any, TextIO
+
+from ftdist.demo import schedule
+from ftdist.demo.plot import write_png
+from ftdist.demo.report import build_report, render_text
+from ftdist.demo.supervisor import Interrupt, RunRecord, Supervisor
+from ftdist.demo.view import LiveView
+from ftdist.demo.worker import WorkerConfig
+
+__all__ = ["DemoOptions", "register", "run_demo"]
+
+# The embedded lighthouse declares a replica group dead after this much
+# silence: short, so that a SIGSTOPped group drops out within seconds, but
+# well above the 100 ms heartbeat so that a busy 2-core machine does not
+# fake failures.
+HEARTBEAT_TIMEOUT_MS = 2000
+# A SIGSTOP lasts this long past the detection window.
+STOP_PAST_DETECTION_S = 3.0
+STEP_INTERVAL_S = 0.1
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """The demo's options (the CLI flags).
+
+    Attributes:
+        replicas: replica groups to run.
+        duration_s: training time of the failure run, in seconds.
+        kill_every_s: mean seconds between injected failures.
+        seed: seeds the data, the initial weights and the failure plan.
+        failures: inject failures (``--no-failures`` turns them off).
+        baseline: also run the job without failures and compare.
+        out: directory for ``report.json``, ``report.png`` and the events.
+        lighthouse: join this lighthouse instead of embedding one.
+        plain: print plain lines even on a terminal.
+
+    Raises:
+        ValueError: naming the bad option and a valid range.
+    """
+
+    replicas: int = 3
+    duration_s: float = 75.0
+    kill_every_s: float = 15.0
+    seed: int = 0
+    failures: bool = True
+    baseline: bool = False
+    out: str = "ftdist-demo"
+    lighthouse: str | None = None
+    plain: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int):
+            raise TypeError(f"replicas must be an int, got {self.replicas!r}")
+        if not 1 <= self.replicas <= 16:
+            raise ValueError(f"--replicas {self.replicas}: give 1 to 16 replica groups")
+        if self.failures and self.replicas < 2:
+            raise ValueError(f"--replicas {self.replicas}: failures need at least 2 replica "
+                             "groups (a survivor heals the restarted one); use --replicas 2 "
+                             "or more, or --no-failures")
+        if not self.duration_s > 0:
+            raise ValueError(f"--duration {self.duration_s}: must be a positive number of "
+                             "seconds")
+        if not self.kill_every_s > 0:
+            raise ValueError(f"--kill-every {self.kill_every_s}: must be a positive number of "
+                             "seconds")
+        if not self.out:
+            raise ValueError("--out must name a directory")
+        if self.lighthouse is not None and ":" not in self.lighthouse:
+            raise ValueError(f"--lighthouse {self.lighthouse!r}: expected host:port or "
+                             "http://host:port")
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``demo`` subcommand to the ``ftdist`` parser.
+
+    Raises:
+        Nothing.
+    """
+    d = DemoOptions()
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "demo", help="run the fault-tolerance demo: training with injected failures",
+        description="Train a small model on several replica groups while killing and hanging "
+                    "them on a seeded schedule; report whether every replica ended with "
+                    "bit-identical weights.")
+    parser.add_argument("--replicas", type=int, default=d.replicas,
+                        help=f"replica groups (processes) to run (default {d.replicas})")
+    parser.add_argument("--duration", type=float, default=d.duration_s, metavar="SECONDS",
+                        help=f"training time before the run ends (default {d.duration_s:g})")
+    parser.add_argument("--kill-every", type=float, default=d.kill_every_s, metavar="SECONDS",
+                        help=f"mean time between injected failures (default {d.kill_every_s:g})")
+    parser.add_argument("--seed", type=int, default=d.seed,
+                        help="seeds the data, the weights and the failure plan (default 0)")
+    parser.add_argument("--no-failures", action="store_true",
+                        help="inject no failures (a plain fault-tolerant training run)")
+    parser.add_argument("--baseline", action="store_true",
+                        help="also run the same job without failures and compare the loss")
+    parser.add_argument("--out", default=d.out, metavar="DIR",
+                        help=f"where report.json, report.png and events go (default {d.out})")
+    parser.add_argument("--lighthouse", default=None, metavar="ADDR",
+                        help="join this lighthouse instead of embedding one")
+    parser.add_argument("--plain", action="store_true",
+                        help="plain line-by-line output even on a terminal")
+    parser.set_defaults(handler=_handle)
+    return parser
+
+
+def _handle(args: argparse.Namespace) -> int:
+    try:
+        opts = DemoOptions(replicas=args.replicas, duration_s=args.duration,
+                           kill_every_s=args.kill_every, seed=args.seed,
+                           failures=not args.no_failures, baseline=args.baseline,
+                           out=args.out, lighthouse=args.lighthouse, plain=args.plain)
+    except (TypeError, ValueError) as exc:
+        print(f"ftdist demo: {exc}", file=sys.stderr)
+        return 2
+    from ftdist.errors import CoordinationError
+
+    try:
+        return run_demo(opts)
+    except CoordinationError as exc:
+        print(f"ftdist demo: {exc}\nStart one with `ftdist lighthouse`, or leave out "
+              "--lighthouse to embed one.", file=sys.stderr)
+        return 2
+
+
+def _machine() -> dict[str, Any]:
+    import torch
+
+    import ftdist
+
+    return {"ftdist": ftdist.__version__, "torch": torch.__version__,
+            "python": platform.python_version(), "platform": platform.platform(),
+            "cpus": os.cpu_count()}
+
+
+def _start_lighthouse(opts: DemoOptions, view: LiveView) -> tuple[Any, str, str | None]:
+    from ftdist.coordination import LighthouseServer
+    from ftdist.coordination.lighthouse_client import LighthouseClient
+
+    if opts.lighthouse is not None:
+        # Fail before any process starts when the address is wrong.
+        with LighthouseClient(opts.lighthouse, connect_timeout=5.0):
+            pass
+        view.message(f"lighthouse: {opts.lighthouse} (joined; its heartbeat timeout sets how "
+                     "fast a hung group is detected)")
+        return None, opts.lighthouse, None
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100,
+                              heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS, http_port=0)
+    dashboard = server.dashboard_address()
+    view.message(f"lighthouse: {server.address()} (embedded; heartbeat timeout "
+                 f"{HEARTBEAT_TIMEOUT_MS} ms)")
+    view.message(f"dashboard:  {dashboard}/  (open it in a browser while the demo runs)")
+    return server, server.address(), dashboard
+
+
+def _log_to(path: str) -> logging.Handler:
+    # The embedded lighthouse reports every failure it detects as a warning;
+    # in the demo those are expected, and they belong in a file rather than
+    # across the live view.
+    handler = logging.FileHandler(path, mode="w", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+    ftdist_logger = logging.getLogger("ftdist")
+    ftdist_logger.addHandler(handler)
+    ftdist_logger.propagate = False
+    return handler
+
+
+def run_demo(opts: DemoOptions, stream: TextIO | None = None) -> int:
+    """Run the demo; see the module docstring.
+
+    Args:
+        opts: the options.
+        stream: where the view and the report go (default stdout).
+
+    Returns:
+        The exit status: 0 (verdict passed), 1 (failed) or 130 (Ctrl-C).
+
+    Raises:
+        ftdist.errors.CoordinationError: ``--lighthouse`` cannot be
+            reached (before any replica starts).
+        OSError: the output directory cannot be written.
+    """
+    out = stream or sys.stdout
+    interactive = not opts.plain and out.isatty()
+    view = LiveView(out, interactive)
+    os.makedirs(opts.out, exist_ok=True)
+    events_root = os.path.join(opts.out, "events")
+    shutil.rmtree(events_root, ignore_errors=True)
+    interrupt = Interrupt()
+    previous = signal.signal(signal.SIGINT, interrupt)
+    server = None
+    log_handler = _log_to(os.path.join(opts.out, "supervisor.log"))
+    try:
+        server, lighthouse, dashboard = _start_lighthouse(opts, view)
+        hold = HEARTBEAT_TIMEOUT_MS / 1000 + STOP_PAST_DETECTION_S
+        plan = (schedule.plan_injections(opts.seed, opts.duration_s, opts.kill_every_s, hold)
+                if opts.failures else [])
+        view.message(f"{opts.replicas} replica groups, {opts.duration_s:g} s, seed {opts.seed}; "
+                     f"failure plan: " + (", ".join(f"{i.kind} at {i.at_s:.0f} s" for i in plan)
+                                          or "none"))
+        run_id = uuid.uuid4().hex[:6]
+        cfg = WorkerConfig(lighthouse=lighthouse, events_dir=os.path.join(events_root, "run"),
+                           seed=opts.seed, replicas=opts.replicas, run=f"demo-{run_id}-",
+                           step_interval_s=STEP_INTERVAL_S)
+        name = "failures" if opts.failures else "no-failures"
+        main = Supervisor(cfg, name, plan, opts.duration_s, None, view.event, view.tick,
+                          interrupt).run()
+        view.close()
+        baseline: RunRecord | None = None
+        if opts.baseline and not interrupt.count and main.stop_step:
+            view.message(f"baseline: the same job without failures, to step {main.stop_step}")
+            base_cfg = replace(cfg, events_dir=os.path.join(events_root, "baseline"),
+                               run=f"base-{run_id}-", step_interval_s=0.0)
+            baseline = Supervisor(base_cfg, "baseline", [], None, main.stop_step, view.event,
+                                  view.tick, interrupt).run()
+            view.close()
+        meta = {
+            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "options": asdict(opts), "worker": asdict(cfg), "machine": _machine(),
+            "lighthouse": lighthouse, "dashboard": dashboard,
+            "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS if server else None,
+            "plan": [asdict(i) for i in plan], "interrupted": bool(interrupt.count),
+        }
+        report = build_report(main, baseline, meta)
+        json_path = os.path.join(opts.out, "report.json")
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+        png_path = os.path.join(opts.out, "report.png")
+        why_no_png = write_png(report, png_path)
+        view.message(render_text(report))
+        view.message(f"report: {os.path.abspath(json_path)}")
+        view.message(f"plot:   {os.path.abspath(png_path)}" if why_no_png is None
+                     else f"plot:   not written ({why_no_png})")
+        if interrupt.count:
+            return 130
+        return 0 if report["verdict"]["ok"] else 1
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if server is not None:
+            server.shutdown()
+        ftdist_logger = logging.getLogger("ftdist")
+        ftdist_logger.removeHandler(log_handler)
+        ftdist_logger.propagate = True
+        log_handler.close()

@@ -1,0 +1,478 @@
+"""
+The demo's supervisor
+=====================
+
+:class:`Supervisor` runs one training run of the demo: it starts the replica
+group processes (:func:`ftdist.demo.worker.replica_main`), follows their
+events files, carries out the failure plan (:mod:`ftdist.demo.schedule`
+decides, this module acts), restarts what it killed as torchrun or a
+cluster scheduler would, and ends the run: every replica stops at the same
+committed step and reports the hash of its state there.
+
+A kill is restarted after ``restart_delay_s``; a SIGSTOP is held for its
+``hold_s``, then continued, and the hung replica finds itself dropped from
+the quorum and heals like a restarted one.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ftdist.demo import schedule
+from ftdist.demo.worker import STOP_KEY, WorkerConfig, replica_main
+from ftdist.testing import Ranks
+
+POLL_S = 0.1
+# Stop this many seconds of steps past the newest step seen: replicas run
+# ahead of their events, and all of them must still be below the stop step
+# when they read it, or they would stop at different steps.
+STOP_AHEAD_S = 2.0
+MIN_STOP_AHEAD_STEPS = 10
+# A replica group that dies on its own this often ends the run.
+MAX_CRASHES = 3
+
+
+@dataclass
+class ReplicaState:
+    """What the supervisor knows about one replica group.
+
+    ``state`` is one of ``starting`` (process up, no step yet), ``training``,
+    ``healing`` (restarted or resumed, not yet back in a full quorum step),
+    ``killed``, ``stopped`` (SIGSTOPped), ``finished``, ``exited``
+    (ended without a final report).
+    """
+
+    replica: int
+    attempt: int = 0
+    pid: int | None = None
+    state: str = "starting"
+    step: int = 0
+    quorum_id: int = -1
+    participants: int = 0
+    loss: float | None = None
+    failures: int = 0
+    heals: int = 0
+    served: int = 0
+    steps_attempted: int = 0
+    steps_committed: int = 0
+    disrupted_at: float = 0.0
+    healthy: bool = False
+    restart_at: float | None = None
+    resume_at: float | None = None
+    final: dict[str, Any] | None = None
+
+
+@dataclass
+class RunRecord:
+    """Everything one run produced, for the report.
+
+    ``steps`` maps a committed step to its wall time (first commit seen), the
+    losses of the replicas that committed it, and how many participated.
+    """
+
+    name: str
+    replicas: list[ReplicaState]
+    started: float = 0.0
+    ended: float = 0.0
+    stop_step: int | None = None
+    interrupted: bool = False
+    injections: list[dict[str, Any]] = field(default_factory=list)
+    heals: list[dict[str, Any]] = field(default_factory=list)
+    steps: dict[int, dict[str, Any]] = field(default_factory=dict)
+    failed_steps: list[dict[str, Any]] = field(default_factory=list)
+    unexpected_exits: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+class _Tail:
+    """Follows the events files of a run, yielding complete new lines."""
+
+    def __init__(self, events_dir: str) -> None:
+        self._dir = events_dir
+        self._offsets: dict[str, int] = {}
+        self._partial: dict[str, str] = {}
+
+    def read(self) -> list[tuple[int, dict[str, Any]]]:
+        out: list[tuple[int, dict[str, Any]]] = []
+        for path in sorted(glob.glob(os.path.join(self._dir, "replica*.jsonl"))):
+            replica = int(os.path.basename(path)[len("replica"):].split(".")[0])
+            with open(path, encoding="utf-8") as f:
+                f.seek(self._offsets.get(path, 0))
+                chunk = f.read()
+                self._offsets[path] = f.tell()
+            text = self._partial.pop(path, "") + chunk
+            lines = text.split("\n")
+            if lines[-1]:
+                # A writer killed mid-line leaves a fragment; keep it until
+                # (if ever) the line completes.
+                self._partial[path] = lines[-1]
+            for line in lines[:-1]:
+                if line.strip():
+                    try:
+                        out.append((replica, json.loads(line)))
+                    except json.JSONDecodeError:
+                        continue
+        out.sort(key=lambda item: float(item[1].get("t", 0.0)))
+        return out
+
+
+class Interrupt:
+    """Counts Ctrl-C presses: the first ends the run gracefully, the second at once."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.count += 1
+
+
+class Supervisor:
+    """Runs one training run of the demo; see the module docstring.
+
+    Args:
+        cfg: what the replica processes share.
+        name: ``"failures"`` or ``"baseline"`` (labels the record).
+        plan: the failure plan (empty for none).
+        duration_s: training time before the run ends; None to run until
+            ``stop_step``.
+        stop_step: a stop step known in advance (the baseline replays the
+            failure run's step count).
+        on_event: called with each human-readable event line.
+        on_tick: called with the supervisor about four times a second.
+        interrupt: the Ctrl-C counter.
+        restart_delay_s: between a SIGKILL and the restart.
+
+    Raises:
+        ValueError: neither ``duration_s`` nor ``stop_step`` is given.
+    """
+
+    def __init__(self, cfg: WorkerConfig, name: str, plan: list[schedule.Injection],
+                 duration_s: float | None, stop_step: int | None,
+                 on_event: Callable[[str], None], on_tick: Callable[[Supervisor], None],
+                 interrupt: Interrupt, restart_delay_s: float = 1.0) -> None:
+        if duration_s is None and stop_step is None:
+            raise ValueError("give duration_s or stop_step")
+        self.cfg = cfg
+        self.duration_s = duration_s
+        self.pending = list(plan)
+        self.record = RunRecord(name, [ReplicaState(r) for r in range(cfg.replicas)])
+        self.record.stop_step = stop_step
+        self._on_event = on_event
+        self._on_tick = on_tick
+        self._interrupt = interrupt
+        self._restart_delay_s = restart_delay_s
+        self._tail = _Tail(cfg.events_dir)
+        self._t0 = 0.0
+        self._last_tick = 0.0
+        self._last_reason = ""
+        self._rate: list[tuple[float, int]] = []
+        self._ranks: Ranks | None = None
+        self._control: Any = None
+        self.phase = "starting"
+        self._crash_loop = False
+
+    # -- helpers for views ------------------------------------------------------------------
+    @property
+    def replicas(self) -> list[ReplicaState]:
+        """The replica groups' states, by index."""
+        return self.record.replicas
+
+    def elapsed(self) -> float:
+        """Seconds since the run started."""
+        return time.time() - self._t0 if self._t0 else 0.0
+
+    def max_step(self) -> int:
+        """The newest committed step seen."""
+        return max(self.record.steps, default=-1) + 1
+
+    def _say(self, text: str) -> None:
+        self._on_event(f"[{self.elapsed():6.1f}s] {text}")
+
+    # -- the run ----------------------------------------------------------------------------
+    def run(self) -> RunRecord:
+        """Run until the duration (or stop step) is reached, or Ctrl-C.
+
+        Returns:
+            The run's record; ``interrupted`` tells whether Ctrl-C ended it.
+
+        Raises:
+            Nothing for a failing replica: that goes into the record.
+        """
+        os.makedirs(self.cfg.events_dir, exist_ok=True)
+        self._t0 = self.record.started = time.time()
+        ranks = Ranks(replica_main, self.cfg.replicas, args=(self.cfg, 0))
+        self._ranks = ranks
+        try:
+            ranks.start()
+            for r, pid in enumerate(ranks.pids):
+                self.replicas[r].pid = pid
+            self._control = ranks.parent_store()
+            if self.record.stop_step is not None:
+                self._control.set(STOP_KEY, str(self.record.stop_step))
+            self.phase = "training"
+            self._say(f"{self.record.name} run: {self.cfg.replicas} replica groups started "
+                      f"(pids {', '.join(str(p) for p in ranks.pids)})")
+            self._train()
+            self._finish()
+        finally:
+            ranks.terminate()
+            self._absorb()
+            self.record.ended = time.time()
+            self.phase = "done"
+            self._tick(force=True)
+        return self.record
+
+    def _train(self) -> None:
+        while True:
+            if self._interrupt.count:
+                self.record.interrupted = True
+                self._say("Ctrl-C: ending the run (press again to stop at once)")
+                return
+            self._absorb()
+            now = self.elapsed()
+            if self.duration_s is not None and now >= self.duration_s:
+                return
+            if self.duration_s is None and self._all_final():
+                return
+            if self._crash_loop:
+                self.record.notes.append("a replica group kept dying on its own; run ended early")
+                return
+            self._maintain(now)
+            if self.duration_s is not None:
+                self._maybe_inject(now)
+            self._tick()
+            time.sleep(POLL_S)
+
+    def _finish(self) -> None:
+        """Bring every replica back, pick the common stop step, collect the finals."""
+        assert self._ranks is not None
+        self.phase = "finishing"
+        self.pending.clear()
+        for rs in self.replicas:
+            if rs.state == "stopped":
+                self._resume(rs)
+            if rs.state == "killed":
+                rs.restart_at = 0.0
+        grace = 10.0 if self.record.interrupted else 45.0
+        deadline = time.monotonic() + grace
+        if self.record.stop_step is None:
+            while not all(rs.healthy for rs in self.replicas):
+                if (time.monotonic() > deadline or self._interrupt.count > 1
+                        or self._crash_loop):
+                    self.record.notes.append("not every replica group was back in the quorum "
+                                             "when the run ended")
+                    break
+                self._absorb()
+                self._maintain(self.elapsed())
+                self._tick()
+                time.sleep(POLL_S)
+            stop = self.max_step() + self._steps_ahead()
+            self.record.stop_step = stop
+            self._control.set(STOP_KEY, str(stop))
+            self._say(f"all replica groups stop at step {stop}")
+        deadline = time.monotonic() + grace
+        while not self._all_final():
+            if (time.monotonic() > deadline or self._interrupt.count > 1
+                    or any(rs.state == "exited" for rs in self.replicas)):
+                missing = [f"replica{rs.replica}" for rs in self.replicas if rs.final is None]
+                self.record.notes.append(f"no final report from {', '.join(missing)}")
+                break
+            self._absorb()
+            self._maintain(self.elapsed())
+            self._tick()
+            time.sleep(POLL_S)
+        # The replicas left together (done barrier); give them a moment to exit.
+        self._ranks.join(timeout=5.0 if self._all_final() else 0.5)
+
+    def _all_final(self) -> bool:
+        return all(rs.final is not None for rs in self.replicas)
+
+    def _steps_ahead(self) -> int:
+        if len(self._rate) >= 2:
+            (t0, s0), (t1, s1) = self._rate[0], self._rate[-1]
+            if t1 > t0:
+                return max(MIN_STOP_AHEAD_STEPS, int((s1 - s0) / (t1 - t0) * STOP_AHEAD_S) + 1)
+        return 4 * MIN_STOP_AHEAD_STEPS
+
+    # -- acting on the plan -----------------------------------------------------------------
+    def _maybe_inject(self, now: float) -> None:
+        health = [schedule.ReplicaHealth(rs.replica, rs.healthy, rs.state)
+                  for rs in self.replicas]
+        decision = schedule.decide(now, self.pending, health, self.cfg.seed)
+        if decision.injection is None:
+            if "postponed" in decision.reason and decision.reason != self._last_reason:
+                self._say(decision.reason)
+            self._last_reason = decision.reason
+            return
+        self._last_reason = ""
+        injection = self.pending.pop(0)
+        assert decision.victim is not None
+        self._strike(injection, self.replicas[decision.victim], now)
+
+    def _strike(self, injection: schedule.Injection, rs: ReplicaState, now: float) -> None:
+        assert self._ranks is not None
+        entry: dict[str, Any] = {
+            "index": injection.index, "kind": injection.kind, "replica": rs.replica,
+            "due_s": injection.at_s, "t_s": round(now, 3), "pid": rs.pid, "step": rs.step,
+            "attempt": rs.attempt, "hold_s": injection.hold_s, "survivors_s": None,
+            "back_s": None,
+        }
+        self.record.injections.append(entry)
+        rs.failures += 1
+        rs.healthy = False
+        rs.disrupted_at = time.time()
+        if injection.kind == schedule.STOP:
+            self._ranks.signal(rs.replica, signal.SIGSTOP)
+            rs.state = "stopped"
+            rs.resume_at = now + injection.hold_s
+            self._say(f"SIGSTOP replica{rs.replica} (pid {rs.pid}) at step {rs.step}: hung "
+                      f"for {injection.hold_s:.1f} s, past the failure-detection window")
+        else:
+            self._ranks.kill(rs.replica)
+            rs.state = "killed"
+            rs.restart_at = now + self._restart_delay_s
+            self._say(f"SIGKILL replica{rs.replica} (pid {rs.pid}) at step {rs.step}")
+
+    def _resume(self, rs: ReplicaState) -> None:
+        assert self._ranks is not None
+        self._ranks.signal(rs.replica, signal.SIGCONT)
+        rs.state = "healing"
+        rs.resume_at = None
+        rs.disrupted_at = time.time()
+        self._say(f"SIGCONT replica{rs.replica} (pid {rs.pid}): it must notice it was "
+                  "dropped and heal")
+
+    def _maintain(self, now: float) -> None:
+        """Restart killed replicas, resume stopped ones, notice unexpected exits."""
+        assert self._ranks is not None
+        for rs in self.replicas:
+            code = self._ranks.exitcode(rs.replica)
+            if rs.state == "stopped" and rs.resume_at is not None and now >= rs.resume_at:
+                self._resume(rs)
+            elif rs.state == "killed" and code is not None and rs.restart_at is not None \
+                    and now >= rs.restart_at:
+                self._restart(rs)
+            elif code is not None and rs.state not in ("killed", "finished", "exited"):
+                if rs.final is not None:
+                    rs.state = "finished"
+                    continue
+                self._crashed(rs, code, now)
+
+    def _crashed(self, rs: ReplicaState, code: int, now: float) -> None:
+        """A replica group ended without being struck: an ftdist bug, or the machine."""
+        assert self._ranks is not None
+        outcome = self._ranks.outcome(rs.replica)
+        error = outcome.error if outcome is not None else None
+        self.record.unexpected_exits.append(
+            {"replica": rs.replica, "attempt": rs.attempt, "exitcode": code,
+             "t_s": round(now, 3), "error": error})
+        last = (error or "").strip().splitlines()[-1:] or [f"exit code {code}"]
+        self._say(f"replica{rs.replica} died on its own: {last[0]}")
+        rs.disrupted_at = time.time()
+        rs.healthy = False
+        crashes = sum(1 for e in self.record.unexpected_exits if e["replica"] == rs.replica)
+        if crashes >= MAX_CRASHES or (self.phase == "finishing"
+                                      and self.record.stop_step is not None):
+            # A crash loop would only bury the first error under restarts.
+            rs.state = "exited"
+            self._crash_loop = True
+        else:
+            self._restart(rs)
+
+    def _restart(self, rs: ReplicaState) -> None:
+        assert self._ranks is not None
+        rs.attempt += 1
+        self._ranks.restart(rs.replica, self.cfg, rs.attempt)
+        rs.pid = self._ranks.pids[rs.replica]
+        rs.state = "healing"
+        rs.restart_at = None
+        rs.disrupted_at = time.time()
+        self._say(f"restarted replica{rs.replica} (pid {rs.pid}, attempt {rs.attempt})")
+
+    # -- events -----------------------------------------------------------------------------
+    def _absorb(self) -> None:
+        for replica, ev in self._tail.read():
+            rs = self.replicas[replica]
+            kind = ev.get("kind")
+            if kind == "step":
+                self._on_step(rs, ev)
+            elif kind == "heal":
+                self._on_heal(rs, ev)
+            elif kind == "final":
+                rs.final = ev
+                rs.state = "finished"
+            elif kind == "up" and rs.state == "starting":
+                rs.pid = ev.get("pid", rs.pid)
+
+    def _on_step(self, rs: ReplicaState, ev: dict[str, Any]) -> None:
+        rs.steps_attempted += 1
+        rs.quorum_id = int(ev["quorum_id"])
+        rs.participants = int(ev["participants"])
+        if not ev["ok"]:
+            self.record.failed_steps.append({"replica": rs.replica, "step": ev["step"],
+                                             "t_s": round(ev["t"] - self._t0, 3),
+                                             "error": ev.get("error")})
+            return
+        rs.steps_committed += 1
+        rs.step = int(ev["step"]) + 1
+        rs.loss = float(ev["loss"])
+        if rs.state in ("starting", "healing") and ev["participating"]:
+            was_healing = rs.state == "healing"
+            rs.state = "training"
+            if was_healing:
+                back = ev["t"] - rs.disrupted_at
+                for inj in reversed(self.record.injections):
+                    if inj["replica"] == rs.replica and inj["back_s"] is None:
+                        inj["back_s"] = round(ev["t"] - self._t0 - inj["t_s"], 3)
+                        break
+                self._say(f"replica{rs.replica} back in the quorum at step {rs.step} "
+                          f"({back:.2f} s after its restart or resume)")
+        if (ev["participating"] and rs.participants == self.cfg.replicas
+                and ev["t"] > rs.disrupted_at and rs.state == "training"):
+            rs.healthy = True
+        elif rs.participants < self.cfg.replicas:
+            rs.healthy = False
+        if rs.participants < self.cfg.replicas:
+            for inj in reversed(self.record.injections):
+                if inj["replica"] != rs.replica and inj["survivors_s"] is None \
+                        and ev["t"] - self._t0 > inj["t_s"]:
+                    # The first step the others commit without the victim:
+                    # detection, reconfigure and one step.
+                    inj["survivors_s"] = round(ev["t"] - self._t0 - inj["t_s"], 3)
+                break
+        step = self.record.steps.setdefault(int(ev["step"]), {
+            "t_s": round(ev["t"] - self._t0, 3), "losses": {}, "participants": 0})
+        if ev["participating"]:
+            step["losses"][rs.replica] = rs.loss
+        step["participants"] = max(step["participants"], rs.participants)
+        self._rate.append((ev["t"], rs.step))
+        if len(self._rate) > 50:
+            del self._rate[0]
+
+    def _on_heal(self, rs: ReplicaState, ev: dict[str, Any]) -> None:
+        entry = {k: v for k, v in ev.items() if k not in ("kind", "t")}
+        entry.update(replica=rs.replica, attempt=rs.attempt,
+                     t_s=round(ev["t"] - self._t0, 3))
+        self.record.heals.append(entry)
+        if ev["role"] == "receive":
+            rs.heals += 1
+            self._say(f"replica{rs.replica} healed to step {ev['step']} from replica rank(s) "
+                      f"{ev['peers']}: quorum {ev['quorum_s'] * 1e3:.0f} ms, reconfigure "
+                      f"{ev['reconfigure_s'] * 1e3:.0f} ms, {ev['transfer_bytes'] / 1e6:.2f} MB "
+                      f"in {ev['transfer_s'] * 1e3:.0f} ms, load {ev['load_s'] * 1e3:.0f} ms")
+        else:
+            rs.served += 1
+
+    def _tick(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last_tick >= 0.25:
+            self._last_tick = now
+            self._on_tick(self)
+

@@ -1,0 +1,254 @@
+"""
+One replica group of the demo
+=============================
+
+:func:`replica_main` is the body of a replica-group process: a one-rank
+replica group that trains the spiral classifier with ftdist's
+``DistributedDataParallel``, ``OptimizerWrapper`` and ``DistributedSampler``
+under a :class:`~ftdist.manager.Manager`, exactly as a user's training
+script would.
+
+It talks to the supervisor through two channels that survive its own
+SIGKILL: it appends JSON lines (``up``, ``step``, ``heal``, ``final``) to its
+own events file, flushed per line, and it reads ``stop_step`` from the run's
+TCPStore. Every replica stops at that same committed step and reports the
+SHA-256 of its weights and optimizer state there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import IO, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ftdist.demo import task
+from ftdist.testing import RankContext
+
+STOP_KEY = "stop_step"
+DONE_KEY = "done"
+UP_KEY = "up"
+START_WAIT_S = 60.0
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What every replica process of one run shares.
+
+    Attributes:
+        lighthouse: the lighthouse address.
+        events_dir: where each process appends its events file.
+        seed: data, sampling and initial-weight seed.
+        replicas: number of replica groups (the sampler's shard count).
+        run: a name unique to this run, prefixed to replica ids.
+        step_interval_s: least wall time per step; 0 runs flat out.
+        batch_size: samples per replica per step.
+        lr: AdamW learning rate.
+        train_size: training points.
+        eval_size: held-out points.
+        timeout_s: collective and transfer timeout of the Manager.
+    """
+
+    lighthouse: str
+    events_dir: str
+    seed: int
+    replicas: int
+    run: str
+    step_interval_s: float = 0.0
+    batch_size: int = 32
+    lr: float = 5e-3
+    train_size: int = 6000
+    eval_size: int = 2000
+    timeout_s: float = 5.0
+
+
+class EventLog:
+    """Append-only JSON lines, one flushed write per event."""
+
+    def __init__(self, path: str) -> None:
+        self._file: IO[str] = open(path, "a", buffering=1)
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        """Write one event with its wall time."""
+        self._file.write(json.dumps({"kind": kind, "t": time.time(), **fields}) + "\n")
+
+    def close(self) -> None:
+        """Close the file."""
+        self._file.close()
+
+
+def events_path(events_dir: str, replica: int, attempt: int) -> str:
+    """The events file of one process (one attempt) of one replica group."""
+    return os.path.join(events_dir, f"replica{replica}.attempt{attempt}.jsonl")
+
+
+def _die_with_parent() -> None:
+    # The process is a child of the fork server, which exits when the demo
+    # does; a replica noticing that exits too, so that even a SIGKILLed demo
+    # leaves no trainer behind.
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="ftdist-demo-orphan-watch", daemon=True).start()
+
+
+def _output_to(path: str) -> None:
+    # Warnings of a replica under fire (Gloo's "connection reset by peer", the
+    # Manager's recorded errors, C++ warnings) belong in its own log, not
+    # across the supervisor's live view; fd-level so C++ output goes too.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, force=True,
+                        format="%(asctime)s %(name)s: %(message)s")
+
+
+class _Batches:
+    """The batch of each step, from ftdist's sampler, as a function of the step.
+
+    A replica that heals to step s continues with step s's batch, so where the
+    data stands is part of the committed state without being saved.
+    """
+
+    def __init__(self, data: Any, replica: int, replicas: int, batch_size: int,
+                 seed: int) -> None:
+        from ftdist.data import DistributedSampler
+
+        self._data = data
+        self._batch_size = batch_size
+        self._sampler = DistributedSampler(data, replica_rank=replica,
+                                           num_replica_groups=replicas, group_rank=0,
+                                           num_replicas=1, shuffle=True, seed=seed,
+                                           drop_last=True)
+        self._per_epoch = max(1, len(self._sampler) // batch_size)
+        self._epoch = -1
+        self._order: list[int] = []
+
+    def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        epoch, index = divmod(step, self._per_epoch)
+        if epoch != self._epoch:
+            self._sampler.set_epoch(epoch)
+            self._order = list(iter(self._sampler))
+            self._epoch = epoch
+        rows = self._order[index * self._batch_size:(index + 1) * self._batch_size]
+        x, y = self._data.tensors
+        return x[rows], y[rows]
+
+
+def _load(model: nn.Module, optim: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+    model.load_state_dict(sd["model"])
+    optim.load_state_dict(sd["optim"])
+
+
+def replica_main(ctx: RankContext, cfg: WorkerConfig, attempt: int) -> None:
+    """Train as replica group ``ctx.rank`` until the supervisor's stop step.
+
+    ``attempt`` counts the processes this replica group had before (0 for
+    the first): a restart starts from fresh random weights, as a real one
+    would, and must heal.
+
+    Raises:
+        RuntimeError: the Manager gave up (too many failed commits).
+    """
+    from ftdist.ddp import DistributedDataParallel
+    from ftdist.manager import Manager
+    from ftdist.optim import OptimizerWrapper
+    from ftdist.process_group import ProcessGroupGloo
+
+    # Ctrl-C reaches the whole process group; the supervisor decides.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    replica = ctx.rank
+    path = events_path(cfg.events_dir, replica, attempt)
+    _output_to(path[:-len(".jsonl")] + ".log")
+    torch.set_num_threads(1)
+    log = EventLog(path)
+    control = ctx.store(timedelta(seconds=30))
+    train = task.make_spirals(cfg.train_size, cfg.seed)
+    held_out = task.make_spirals(cfg.eval_size, cfg.seed + 1)
+    batches = _Batches(train, replica, cfg.replicas, cfg.batch_size, cfg.seed)
+    # Each process starts from its own random weights: only the live heal
+    # (init_sync at step 0, recovery later) makes the replicas agree.
+    model = task.make_model(seed=cfg.seed * 1000 + replica * 10 + attempt)
+    optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    own_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    timeout = timedelta(seconds=cfg.timeout_s)
+    pg = ProcessGroupGloo(timeout=timeout)
+    manager = Manager(
+        pg=pg,
+        load_state_dict=lambda sd: _load(model, optim, sd),
+        state_dict=lambda: {"model": model.state_dict(), "optim": optim.state_dict()},
+        min_replica_size=1, replica_id=f"{cfg.run}replica{replica}",
+        lighthouse_addr=cfg.lighthouse, rank=0, world_size=1,
+        store_addr="127.0.0.1", store_port=own_store.port, hostname="127.0.0.1",
+        timeout=timeout, quorum_timeout=timedelta(seconds=30),
+        connect_timeout=timedelta(seconds=10),
+    )
+    log.emit("up", pid=os.getpid(), attempt=attempt, replica_id=manager.replica_id())
+    if attempt == 0:
+        # Start together, as a job does: the first quorum then holds every
+        # replica group instead of whichever process the machine ran first.
+        control.add(UP_KEY, 1)
+        deadline = time.monotonic() + START_WAIT_S
+        while int(control.add(UP_KEY, 0)) < cfg.replicas and time.monotonic() < deadline:
+            time.sleep(0.02)
+    ddp = DistributedDataParallel(manager, model)
+    opt = OptimizerWrapper(manager, optim)
+    heals_seen = 0
+    try:
+        while True:
+            began = time.monotonic()
+            step = manager.current_step()
+            if control.check([STOP_KEY]) and step >= int(control.get(STOP_KEY)):
+                break
+            opt.zero_grad()
+            x, y = batches(step)
+            loss = nn.functional.cross_entropy(ddp(x), y)
+            loss.backward()
+            opt.step()
+            committed = manager.current_step() > step
+            error = manager.errored()
+            log.emit("step", step=step, ok=committed, loss=loss.item(),
+                     quorum_id=manager.quorum_id(), participants=manager.num_participants(),
+                     participating=manager.is_participating(),
+                     error=str(error).splitlines()[0] if error and not committed else None)
+            for timeline in manager.heal_timelines[heals_seen:]:
+                log.emit("heal", **timeline.as_dict())
+            heals_seen = len(manager.heal_timelines)
+            spare = cfg.step_interval_s - (time.monotonic() - began)
+            if spare > 0:
+                time.sleep(spare)
+        eval_loss, accuracy = task.evaluate(model, held_out)
+        log.emit("final", step=manager.current_step(), hash=task.state_hash(model, optim),
+                 eval_loss=eval_loss, accuracy=accuracy)
+        # Leave together: a replica that exits while a peer still finishes
+        # its last step would look like a failure to that peer.
+        control.add(DONE_KEY, 1)
+        deadline = time.monotonic() + 20
+        while int(control.add(DONE_KEY, 0)) < cfg.replicas and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        manager.shutdown(wait=False)
+        pg.shutdown()
+        log.close()
+        del own_store
+
+
+def config_dict(cfg: WorkerConfig) -> dict[str, Any]:
+    """The config as JSON-ready data (for the report)."""
+    return asdict(cfg)

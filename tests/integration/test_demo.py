@@ -1,0 +1,189 @@
+"""``ftdist demo`` end to end: real lighthouse, real replica processes, real failures.
+
+The demo runs as a subprocess, as a user runs it. Each run carries a unique
+environment token, so the test can prove afterwards that no process of the
+demo (fork server, replica groups) outlived it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _processes_with(token: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if token.encode() in f.read():
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+class DemoProcess:
+    def __init__(self, args: list[str], out: Path) -> None:
+        self.token = f"FTDIST_DEMO_TEST_TOKEN={uuid.uuid4().hex}"
+        key, value = self.token.split("=")
+        env = {**os.environ, key: value, "PYTHONUNBUFFERED": "1"}
+        self.out = out
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ftdist.cli", "demo", "--out", str(out), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            start_new_session=True)
+
+    def finish(self, timeout: float) -> tuple[int, str]:
+        stdout, _ = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, stdout
+
+    def report(self) -> dict[str, Any]:
+        return json.loads((self.out / "report.json").read_text())
+
+    def kill_all(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.communicate(timeout=10)
+        for pid in _processes_with(self.token):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def assert_nothing_left(self) -> None:
+        # Replicas notice their fork server's exit within half a second.
+        deadline = time.monotonic() + 5
+        while _processes_with(self.token) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _processes_with(self.token) == [], "demo processes outlived the demo"
+
+
+@pytest.fixture
+def demo(tmp_path: Path) -> Iterator[Any]:
+    started: list[DemoProcess] = []
+
+    def start(*args: str) -> DemoProcess:
+        d = DemoProcess(list(args), tmp_path / f"out{len(started)}")
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.kill_all()
+
+
+@pytest.mark.timeout(240)
+def test_ci_demo_run_with_failures(demo: Any) -> None:
+    """What CI runs: `ftdist demo --duration 20 --kill-every 5`."""
+    run = demo("--duration", "20", "--kill-every", "5")
+    code, stdout = run.finish(timeout=200)
+    assert code == 0, stdout
+    assert "VERDICT: PASS" in stdout
+    assert "dashboard:  http://127.0.0.1:" in stdout
+    report = run.report()
+    verdict = report["verdict"]
+    assert verdict["ok"] is True, verdict
+    assert len(verdict["hashes"]) == 3 and len(set(verdict["hashes"].values())) == 1
+    assert set(verdict["steps"].values()) == {report["run"]["stop_step"]}
+    for digest in verdict["hashes"].values():
+        assert digest in stdout
+
+    main = report["run"]
+    kinds = [i["kind"] for i in main["injections"]]
+    assert "kill" in kinds and "stop" in kinds, kinds
+    for injection in main["injections"]:
+        # Every victim came back, and the survivors never waited for it.
+        assert injection["back_s"] is not None, injection
+        assert injection["survivors_s"] is not None, injection
+    victims = {i["replica"] for i in main["injections"] if i["kind"] == "kill"}
+    for replica in main["replicas"]:
+        if replica["replica"] in victims:
+            assert replica["processes"] >= 2
+    recoveries = [h for h in main["heals"] if h["role"] == "receive" and h["step"] > 1]
+    assert len(recoveries) >= len(main["injections"])
+    assert all(h["transfer_bytes"] > 0 for h in recoveries)
+    assert main["unexpected_exits"] == []
+    assert main["steps_committed"] == main["stop_step"]
+    assert main["loss"]["last"] < main["loss"]["first"] - 0.2, main["loss"]
+
+    png = (run.out / "report.png").read_bytes()
+    assert png.startswith(PNG_MAGIC) and len(png) > 20_000
+    assert str(run.out / "report.json") in stdout and str(run.out / "report.png") in stdout
+    logs = list((run.out / "events" / "run").glob("replica*.attempt*.log"))
+    assert len(logs) == 3 + sum(r["processes"] - 1 for r in main["replicas"])
+    run.assert_nothing_left()
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_stops_everything_and_still_reports(demo: Any) -> None:
+    run = demo("--duration", "120", "--kill-every", "60", "--plain")
+    events = run.out / "events" / "run"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        files = list(events.glob("replica*.jsonl")) if events.exists() else []
+        if len(files) == 3 and all(f.read_text().count('"kind": "step"') >= 5 for f in files):
+            break
+        assert run.proc.poll() is None, run.finish(5)[1]
+        time.sleep(0.2)
+    else:
+        pytest.fail("the replicas never started stepping")
+    # A terminal sends SIGINT to the whole foreground process group.
+    os.killpg(run.proc.pid, signal.SIGINT)
+    code, stdout = run.finish(timeout=60)
+    assert code == 130, stdout
+    assert "Ctrl-C" in stdout
+    report = run.report()
+    assert report["interrupted"] is True and report["run"]["interrupted"] is True
+    # The graceful path still brought every replica to the same step.
+    assert report["verdict"]["ok"] is True, report["verdict"]
+    assert (run.out / "report.png").read_bytes().startswith(PNG_MAGIC)
+    run.assert_nothing_left()
+
+
+@pytest.mark.timeout(180)
+def test_baseline_on_an_existing_lighthouse(demo: Any, lighthouse_factory: Any) -> None:
+    server = lighthouse_factory(heartbeat_timeout_ms=2000, join_timeout_ms=100)
+    run = demo("--no-failures", "--baseline", "--replicas", "2", "--duration", "6",
+               "--lighthouse", server.address())
+    code, stdout = run.finish(timeout=150)
+    assert code == 0, stdout
+    assert f"lighthouse: {server.address()} (joined" in stdout
+    report = run.report()
+    assert report["run"]["failures_injected"]["total"] == 0
+    base = report["baseline"]
+    assert base is not None and base["verdict"]["ok"] is True
+    assert base["stop_step"] == report["run"]["stop_step"]
+    comparison = report["comparison"]
+    assert comparison["steps_compared"] == report["run"]["stop_step"]
+    assert "baseline without failures" in stdout
+    run.assert_nothing_left()
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_lighthouse_fails_before_starting_replicas(demo: Any) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = demo("--lighthouse", f"127.0.0.1:{port}", "--duration", "5")
+    code, stdout = run.finish(timeout=50)
+    assert code == 2, stdout
+    assert f"127.0.0.1:{port}" in stdout and "Traceback" not in stdout
+    assert not (run.out / "events" / "run").exists()
+    run.assert_nothing_left()
