@@ -29,7 +29,7 @@ demo: setup
 	$(VENV)/bin/ftdist demo --baseline $(DEMO_ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff check src tests bench examples
 
 typecheck: setup
 	$(VENV)/bin/mypy

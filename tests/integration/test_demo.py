@@ -187,3 +187,19 @@ def test_unreachable_lighthouse_fails_before_starting_replicas(demo: Any) -> Non
     assert f"127.0.0.1:{port}" in stdout and "Traceback" not in stdout
     assert not (run.out / "events" / "run").exists()
     run.assert_nothing_left()
+
+
+@pytest.mark.timeout(120)
+def test_no_replica_outlives_a_killed_demo(demo: Any) -> None:
+    """Even SIGKILL of the demo itself (no cleanup runs) leaves no trainer behind."""
+    run = demo("--duration", "60", "--no-failures", "--plain")
+    events = run.out / "events" / "run"
+    deadline = time.monotonic() + 60
+    while not (events.exists() and len(list(events.glob("replica*.jsonl"))) == 3):
+        assert time.monotonic() < deadline, "the replicas never started"
+        assert run.proc.poll() is None, run.finish(5)[1]
+        time.sleep(0.2)
+    assert len(_processes_with(run.token)) >= 4  # demo, fork server, 3 replicas
+    os.kill(run.proc.pid, signal.SIGKILL)
+    run.proc.communicate(timeout=10)
+    run.assert_nothing_left()

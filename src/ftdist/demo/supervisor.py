@@ -35,6 +35,8 @@ POLL_S = 0.1
 # when they read it, or they would stop at different steps.
 STOP_AHEAD_S = 2.0
 MIN_STOP_AHEAD_STEPS = 10
+REPLAY_BASE_S = 120.0
+REPLAY_PER_STEP_S = 0.2
 # A replica group that dies on its own this often ends the run.
 MAX_CRASHES = 3
 
@@ -241,6 +243,10 @@ class Supervisor:
                 return
             if self.duration_s is None and self._all_final():
                 return
+            if self.duration_s is None and now > self._replay_limit_s():
+                self.record.notes.append(f"the run did not reach step {self.record.stop_step} "
+                                         f"within {self._replay_limit_s():.0f} s")
+                return
             if self._crash_loop:
                 self.record.notes.append("a replica group kept dying on its own; run ended early")
                 return
@@ -260,7 +266,7 @@ class Supervisor:
                 self._resume(rs)
             if rs.state == "killed":
                 rs.restart_at = 0.0
-        grace = 10.0 if self.record.interrupted else 45.0
+        grace = 20.0 if self.record.interrupted else 45.0
         deadline = time.monotonic() + grace
         if self.record.stop_step is None:
             while not all(rs.healthy for rs in self.replicas):
@@ -290,6 +296,11 @@ class Supervisor:
             time.sleep(POLL_S)
         # The replicas left together (done barrier); give them a moment to exit.
         self._ranks.join(timeout=5.0 if self._all_final() else 0.5)
+
+    def _replay_limit_s(self) -> float:
+        # A run to a known stop step (the baseline) has no duration; this
+        # bounds it generously (it steps at tens of steps per second).
+        return REPLAY_BASE_S + REPLAY_PER_STEP_S * (self.record.stop_step or 0)
 
     def _all_final(self) -> bool:
         return all(rs.final is not None for rs in self.replicas)
