@@ -2,16 +2,34 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from typing import Any
 
 import pytest
 
-from ftdist.coordination import LighthouseServer
+from ftdist.coordination import LighthouseClient, LighthouseServer
 from ftdist.testing import Ranks
 from tests.integration.ft_training import train
 from tests.integration.test_manager import assert_consistent
+
+
+@pytest.fixture
+def patient_lighthouse(lighthouse_factory: Any) -> str:
+    """A lighthouse that waits for every live replica group.
+
+    These tests check that each replica commits every step from where it
+    joined (``assert_consistent``). With a short join timeout, a loaded
+    machine lets the lighthouse form a quorum without a live replica that is
+    merely late, which then (correctly) heals forward and skips steps; and
+    at start-up, late replicas still at step 0 can even start a second
+    lineage of their own. The heartbeat timeout is long for the same reason
+    (a stall of the whole machine expires every heartbeat at once); a dead
+    replica is still dropped within ~0.5 s, as soon as its failure-news
+    stream closes.
+    """
+    return str(lighthouse_factory(join_timeout_ms=30_000, heartbeat_timeout_ms=5_000).address())
 
 
 def _wait_dead(ranks: Ranks, members: list[int], timeout: float = 60) -> None:
@@ -44,7 +62,7 @@ SLOW = {"step_sleep_s": 0.08}
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(("groups", "group_size"), [(2, 1), (3, 1), (2, 2), (3, 2)])
-def test_killed_group_restarts_heals_and_ends_identical(lighthouse: str, groups: int,
+def test_killed_group_restarts_heals_and_ends_identical(patient_lighthouse: str, groups: int,
                                                          group_size: int) -> None:
     rng = random.Random(groups * 10 + group_size)
     victim = rng.randrange(groups)
@@ -54,23 +72,79 @@ def test_killed_group_restarts_heals_and_ends_identical(lighthouse: str, groups:
                for r in range(groups * group_size)}
     for g in range(group_size):
         actions[victim * group_size + g] = {"die_at_step": die_at, **SLOW}
-    results = _run(lighthouse, groups, group_size, steps, actions, [dict.fromkeys(range(groups * group_size), SLOW)])
+    results = _run(patient_lighthouse, groups, group_size, steps, actions, [dict.fromkeys(range(groups * group_size), SLOW)])
     assert_consistent(results, steps)
     healed = [r for r in results if r["replica"] == victim]
     assert all(any(h["role"] == "receive" and h["step"] > 0 for h in r["heals"]) for r in healed), \
         "the restarted group must heal live from a peer"
 
 
+def _assert_gaps_healed(result: dict[str, Any]) -> None:
+    """Each step this replica did not commit, it skipped by healing to the step it resumed at."""
+    committed = result["committed"]
+    healed_to = {h["step"] for h in result["heals"] if h["role"] == "receive"}
+    resumed = [b for a, b in itertools.pairwise([-1, *committed]) if b != a + 1]
+    assert set(resumed) <= healed_to, (result["replica"], result["group_rank"], committed[:12],
+                                       result["heals"])
+
+
 @pytest.mark.timeout(150)
-def test_group_killed_while_healing_restarts_again(lighthouse: str) -> None:
+def test_live_group_left_out_of_quorums_heals_forward_and_ends_identical(
+        lighthouse_factory: Any) -> None:
+    # Replica group 2 (two ranks) pauses between two steps while staying
+    # healthy; the join timeout lets the others go on without it. When it
+    # asks again, both of its ranks heal forward to the same step and every
+    # group rank ends bit-identical. min_replicas=2 of 3: any two quorums
+    # share a member, so no second lineage can start.
+    server = lighthouse_factory(min_replicas=2, join_timeout_ms=200, heartbeat_timeout_ms=5_000)
+    steps = 20
+    # The others wait at step 10 too, so that they cannot finish (and stop
+    # forming quorums) before replica 2 is back.
+    actions: dict[int, dict[str, Any]] = {r: {**SLOW, "hold_until_rejoin_at": 10}
+                                          for r in range(4)}
+    for r in (4, 5):
+        actions[r] = {**SLOW, "hold_until_rejoin_at": 5}
+    with Ranks(train, 6, args=(server.address(), 2, steps, actions)) as ranks, \
+            LighthouseClient(server.address(), 10) as client:
+        seen, deadline = False, time.monotonic() + 90
+        while True:
+            assert time.monotonic() < deadline, "the others never went on without replica 2"
+            quorum = client.status()["quorum"] or {"members": [], "max_step": -1}
+            in_quorum = any(m["replica_id"].startswith("replica2:") for m in quorum["members"])
+            seen = seen or in_quorum
+            # (Or the others reached their own hold: replica 2 was late
+            # before step 5 already and healed past it.)
+            if seen and quorum["max_step"] >= (8 if not in_quorum else 9):
+                break
+            time.sleep(0.02)
+        ranks.parent_store().add("rejoined", 1)
+        outcomes = ranks.join(timeout=120)
+    bad = [o for o in outcomes if not o.ok]
+    assert not bad, "\n".join(f"rank {o.rank}: exit {o.exitcode}\n{o.error}" for o in bad)
+    results = [o.value for o in outcomes]
+    for r in results:
+        assert r["step"] == steps, r
+        assert r["committed"] == sorted(set(r["committed"])), r
+        _assert_gaps_healed(r)
+    for group_rank in (0, 1):
+        assert len({r["hash"] for r in results if r["group_rank"] == group_rank}) == 1, results
+    left_out = [r for r in results if r["replica"] == 2]
+    # Both ranks of the group skipped the same steps.
+    assert left_out[0]["committed"] == left_out[1]["committed"]
+    committed = left_out[0]["committed"]
+    assert any(b > a + 1 for a, b in itertools.pairwise(committed)), committed
+
+
+@pytest.mark.timeout(150)
+def test_group_killed_while_healing_restarts_again(patient_lighthouse: str) -> None:
     actions = {0: {**SLOW, "hold_until_rejoin_at": 6}, 1: {"die_at_step": 4, **SLOW}}
     again = {0: dict(SLOW), 1: {"die_during_heal": True}}
-    results = _run(lighthouse, 2, 1, 40, actions, [again, {0: dict(SLOW), 1: dict(SLOW)}])
+    results = _run(patient_lighthouse, 2, 1, 40, actions, [again, {0: dict(SLOW), 1: dict(SLOW)}])
     assert_consistent(results, 40)
 
 
 @pytest.mark.timeout(150)
-def test_healing_source_killed_mid_transfer(lighthouse: str) -> None:
+def test_healing_source_killed_mid_transfer(patient_lighthouse: str) -> None:
     # Replica 2 dies and restarts; when it heals, whichever replica serves it
     # dies while the (large) state is still streaming. It heals from the other.
     big = {"ballast_mb": 64, "finishers": 2, **SLOW}
@@ -78,9 +152,9 @@ def test_healing_source_killed_mid_transfer(lighthouse: str) -> None:
                1: {**big, "die_while_serving": True, "hold_until_rejoin_at": 5},
                2: {"die_at_step": 3, **big}}
     world = 3
-    with Ranks(train, world, args=(lighthouse, 1, 40, actions)) as ranks:
+    with Ranks(train, world, args=(patient_lighthouse, 1, 40, actions)) as ranks:
         _wait_dead(ranks, [2])
-        ranks.restart(2, lighthouse, 1, 40, {2: dict(big)}, 1)
+        ranks.restart(2, patient_lighthouse, 1, 40, {2: dict(big)}, 1)
         deadline = time.monotonic() + 60
         while ranks.exitcode(0) is None and ranks.exitcode(1) is None:
             assert time.monotonic() < deadline, "no source died while serving"
