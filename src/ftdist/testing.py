@@ -122,6 +122,31 @@ class RankFailure(AssertionError):
         super().__init__("\n".join(parts))
 
 
+def _exit_with(parent_pid: int) -> None:
+    """Exit this rank as soon as the process that started it is gone.
+
+    A rank's OS parent is the fork server, and the fork server stays up as
+    long as any rank does (each holds its "alive" pipe), so neither notices a
+    harness that was SIGKILLed. A pidfd on the harness process is exact (no
+    pid reuse) and costs one idle thread.
+    """
+    import select
+    import threading
+
+    try:
+        fd = os.pidfd_open(parent_pid)
+    except (AttributeError, OSError):
+        return  # no pidfd (old kernel): the harness's own cleanup still applies
+
+    def watch() -> None:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        poller.poll()
+        os._exit(3)
+
+    threading.Thread(target=watch, name="ftdist-rank-parent-watch", daemon=True).start()
+
+
 def _child_main(
     fn: Callable[..., Any],
     ctx: RankContext,
@@ -129,7 +154,9 @@ def _child_main(
     kwargs: dict[str, Any],
     env: Mapping[str, str],
     conn: mpc.Connection,
+    parent_pid: int,
 ) -> None:
+    _exit_with(parent_pid)
     os.environ.update(env)
     # A rank that the parent SIGSTOPs/SIGKILLs must not take the harness's
     # SIGINT handling with it; keep the default.
@@ -204,7 +231,7 @@ class Ranks:
         rctx = RankContext(rank, self.world_size, "127.0.0.1", self._store.port, self._prefix)
         proc = ctx.Process(  # type: ignore[attr-defined]
             target=_child_main,
-            args=(self.fn, rctx, args, kwargs, dict(self.env), child_end),
+            args=(self.fn, rctx, args, kwargs, dict(self.env), child_end, os.getpid()),
             name=f"ftdist-rank-{rank}",
             # Not daemonic: a rank may start children of its own (Baby
             # groups). The harness kills every rank itself.

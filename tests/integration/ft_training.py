@@ -149,6 +149,7 @@ def train(ctx: RankContext, lighthouse: str, group_size: int, steps: int,
                 # loaded machine cannot let this survivor finish alone first.
                 held.append(True)
                 served_before = len(manager.heal_timelines)
+                ctx.store().add("holding", 1)  # tests may wait for this before a restart
                 deadline = time.monotonic() + 60
                 while int(ctx.store().add("rejoined", 0)) < 1 and time.monotonic() < deadline:
                     time.sleep(0.02)

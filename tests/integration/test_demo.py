@@ -66,7 +66,7 @@ class DemoProcess:
                 pass
 
     def assert_nothing_left(self) -> None:
-        # Replicas notice their fork server's exit within half a second.
+        # Ranks watch the demo process through a pidfd and exit with it.
         deadline = time.monotonic() + 5
         while _processes_with(self.token) and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -221,6 +221,14 @@ def test_replicas_that_diverge_after_a_heal_are_caught_at_the_next_quorum(lighth
                1: {"die_at_step": 3, **SLOW}}
     with Ranks(train, 2, args=(lighthouse, 1, 30, actions)) as ranks:
         _wait_dead(ranks, [1])
+        # The replacement must heal from the held survivor: a replacement
+        # that starts fast enough to heal before the hold would be served a
+        # heal the survivor does not count, and nothing would be corrupted.
+        control = ranks.parent_store()
+        deadline = time.monotonic() + 30
+        while not control.check(["holding"]):
+            assert time.monotonic() < deadline, "the survivor never reached its hold"
+            time.sleep(0.02)
         ranks.restart(1, lighthouse, 1, 30, {1: {**SLOW, "max_retries": 2}}, 1)
         outcomes = ranks.join(timeout=80)
     # Whichever replica exhausts its retries first raises; the other saw the

@@ -169,11 +169,17 @@ def _start_lighthouse(opts: DemoOptions, view: LiveView) -> tuple[Any, str, str 
         view.message(f"lighthouse: {opts.lighthouse} (joined; its heartbeat timeout sets how "
                      "fast a hung group is detected)")
         return None, opts.lighthouse, None
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100,
-                              heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS, http_port=0)
+    # A majority quorum: two disjoint quorums cannot both form, so replicas
+    # that start (or stall) apart can never grow two histories of the same
+    # step. One failure at a time (the injection rule) always leaves a
+    # majority training.
+    min_replicas = opts.replicas // 2 + 1 if opts.replicas >= 3 else 1
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas,
+                              join_timeout_ms=100, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
+                              http_port=0)
     dashboard = server.dashboard_address()
-    view.message(f"lighthouse: {server.address()} (embedded; heartbeat timeout "
-                 f"{HEARTBEAT_TIMEOUT_MS} ms)")
+    view.message(f"lighthouse: {server.address()} (embedded; quorum of at least "
+                 f"{min_replicas}, heartbeat timeout {HEARTBEAT_TIMEOUT_MS} ms)")
     view.message(f"dashboard:  {dashboard}/  (open it in a browser while the demo runs)")
     return server, server.address(), dashboard
 

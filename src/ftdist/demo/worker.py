@@ -22,7 +22,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -92,20 +91,6 @@ def events_path(events_dir: str, replica: int, attempt: int) -> str:
     return os.path.join(events_dir, f"replica{replica}.attempt{attempt}.jsonl")
 
 
-def _die_with_parent() -> None:
-    # The process is a child of the fork server, which exits when the demo
-    # does; a replica noticing that exits too, so that even a SIGKILLed demo
-    # leaves no trainer behind.
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(3)
-
-    threading.Thread(target=watch, name="ftdist-demo-orphan-watch", daemon=True).start()
-
-
 def _output_to(path: str) -> None:
     # Warnings of a replica under fire (Gloo's "connection reset by peer", the
     # Manager's recorded errors, C++ warnings) belong in its own log, not
@@ -172,7 +157,6 @@ def replica_main(ctx: RankContext, cfg: WorkerConfig, attempt: int) -> None:
 
     # Ctrl-C reaches the whole process group; the supervisor decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
     replica = ctx.rank
     path = events_path(cfg.events_dir, replica, attempt)
     _output_to(path[:-len(".jsonl")] + ".log")
