@@ -135,6 +135,8 @@ def _exit_with(parent_pid: int) -> None:
 
     try:
         fd = os.pidfd_open(parent_pid)
+    except ProcessLookupError:
+        os._exit(3)  # the harness is already gone
     except (AttributeError, OSError):
         return  # no pidfd (old kernel): the harness's own cleanup still applies
 

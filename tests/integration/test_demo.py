@@ -203,3 +203,53 @@ def test_no_replica_outlives_a_killed_demo(demo: Any) -> None:
     os.kill(run.proc.pid, signal.SIGKILL)
     run.proc.communicate(timeout=10)
     run.assert_nothing_left()
+
+
+@pytest.mark.timeout(120)
+def test_a_replica_late_for_the_last_steps_still_ends_identical(tmp_path: Path,
+                                                                lighthouse_factory: Any) -> None:
+    """A replica hung while the others reach the stop step heals to it afterwards.
+
+    The others finish while it is stopped; they keep joining quorum rounds
+    (without stepping) until it is back, so that its majority quorum forms
+    and it heals to the stop step instead of waiting forever.
+    """
+    from ftdist.demo.worker import STOP_KEY, WorkerConfig, replica_main
+    from ftdist.testing import Ranks
+
+    server = lighthouse_factory(min_replicas=2, heartbeat_timeout_ms=1000, join_timeout_ms=100)
+    events = tmp_path / "events"
+    events.mkdir()
+    cfg = WorkerConfig(lighthouse=server.address(), events_dir=str(events), seed=1,
+                       replicas=3, run="late-", step_interval_s=0.05)
+    stop = 40
+
+    def last_step(replica: int) -> int:
+        text = (events / f"replica{replica}.attempt0.jsonl").read_text()
+        steps = [json.loads(line) for line in text.splitlines() if '"step"' in line]
+        return max((e["step"] for e in steps if e["kind"] == "step" and e["ok"]), default=-1)
+
+    with Ranks(replica_main, 3, args=(cfg, 0)) as ranks:
+        ranks.parent_store().set(STOP_KEY, str(stop))
+        deadline = time.monotonic() + 60
+        while not all((events / f"replica{r}.attempt0.jsonl").exists() for r in range(3)) \
+                or last_step(2) < 10:
+            assert time.monotonic() < deadline, "replica 2 never reached step 10"
+            time.sleep(0.05)
+        ranks.signal(2, signal.SIGSTOP)
+        while last_step(0) < stop - 1 or last_step(1) < stop - 1:
+            assert time.monotonic() < deadline, "the others never reached the stop step"
+            time.sleep(0.05)
+        time.sleep(1.0)  # they are waiting for it now
+        ranks.signal(2, signal.SIGCONT)
+        outcomes = ranks.join(timeout=60)
+    assert all(o.ok for o in outcomes), [o.error or o.exitcode for o in outcomes]
+    finals = []
+    for r in range(3):
+        lines = (events / f"replica{r}.attempt0.jsonl").read_text().splitlines()
+        finals += [json.loads(line) for line in lines if '"final"' in line]
+    assert [f["step"] for f in finals] == [stop] * 3
+    assert len({f["hash"] for f in finals}) == 1
+    heals = [json.loads(line) for line in
+             (events / "replica2.attempt0.jsonl").read_text().splitlines() if '"heal"' in line]
+    assert any(h["role"] == "receive" and h["step"] == stop for h in heals), heals

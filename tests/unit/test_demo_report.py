@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+from typing import Any
 
 import pytest
 
@@ -99,6 +100,9 @@ class _FakeSupervisor:
     def elapsed(self) -> float:
         return 5.0
 
+    def train_elapsed(self) -> float:
+        return 5.0
+
     def max_step(self) -> int:
         return 5
 
@@ -157,3 +161,83 @@ def test_cli_rejects_bad_options_before_starting(capsys: pytest.CaptureFixture[s
 
     assert main(["demo", "--replicas", "1"]) == 2
     assert "use --replicas 2 or more, or --no-failures" in capsys.readouterr().err
+
+
+def test_tail_keeps_partial_lines_and_reads_the_attempt(tmp_path: Any) -> None:
+    from ftdist.demo.supervisor import _Tail
+
+    tail = _Tail(str(tmp_path))
+    a = tmp_path / "replica1.attempt2.jsonl"
+    a.write_text('{"kind": "up", "t": 2.0}\n{"kind": "step", "t"')
+    (tmp_path / "replica0.attempt0.jsonl").write_text('{"kind": "up", "t": 1.0}\n')
+    assert tail.read() == [(0, 0, {"kind": "up", "t": 1.0}), (1, 2, {"kind": "up", "t": 2.0})]
+    assert tail.read() == []
+    with a.open("a") as f:
+        f.write(': 3.0}\nnot json\n')
+    assert tail.read() == [(1, 2, {"kind": "step", "t": 3.0})]
+
+
+def test_clip_counts_visible_characters() -> None:
+    from ftdist.demo.view import clip
+
+    assert clip("short", 10) == "short"
+    colored = "\x1b[32mtraining \x1b[0m rest"
+    assert clip(colored, 40) == colored
+    assert clip("x" * 50, 10) == "x" * 9 + "~"
+    assert clip("\x1b[31m" + "y" * 30 + "\x1b[0m", 10) == "y" * 9 + "~"
+
+
+def test_terminal_view_clips_to_the_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    monkeypatch.setattr("shutil.get_terminal_size", lambda *a, **k: os.terminal_size((40, 24)))
+    sup = _FakeSupervisor()
+    out = io.StringIO()
+    view = LiveView(out, interactive=True)
+    view.event("e" * 200)
+    view.tick(sup)  # type: ignore[arg-type]
+    import re
+
+    rows = re.sub(r"\x1b\[[0-9;]*m", "", out.getvalue()).splitlines()
+    assert rows and all(len(r) <= 39 for r in rows), rows
+
+
+def test_old_events_are_cleared_but_foreign_files_refuse(tmp_path: Any) -> None:
+    from ftdist.demo.cli import _clear_events
+
+    run = tmp_path / "events" / "run"
+    run.mkdir(parents=True)
+    (run / "replica0.attempt0.jsonl").write_text("{}\n")
+    (run / "replica0.attempt0.log").write_text("log\n")
+    _clear_events(str(tmp_path / "events"))
+    assert list(run.iterdir()) == []
+    (run / "thesis.tex").write_text("precious")
+    with pytest.raises(ValueError, match=r"thesis\.tex"):
+        _clear_events(str(tmp_path / "events"))
+    assert (run / "thesis.tex").read_text() == "precious"
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"duration_s": float("inf")}, "--duration inf"),
+    ({"duration_s": 0.5}, "--duration 0.5"),
+    ({"kill_every_s": 1e-6}, "--kill-every 1e-06"),
+    ({"seed": -1}, "--seed -1"),
+    ({"seed": 2**40}, "--seed"),
+])
+def test_out_of_range_options(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        DemoOptions(**kwargs)  # type: ignore[arg-type]
+
+
+def test_out_must_not_be_a_file(tmp_path: Any) -> None:
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        DemoOptions(out=str(f))
+
+
+def test_interrupted_report_says_so() -> None:
+    record = _record([_final(10, "aa"), None])
+    record.interrupted = True
+    text = render_text(build_report(record, None, {"interrupted": True}))
+    assert "VERDICT: INTERRUPTED" in text and "VERDICT: FAIL" not in text

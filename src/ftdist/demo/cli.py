@@ -16,21 +16,21 @@ import argparse
 import datetime as dt
 import json
 import logging
+import math
 import os
 import platform
-import shutil
+import re
 import signal
 import sys
 import uuid
 from dataclasses import asdict, dataclass, replace
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from ftdist.demo import schedule
-from ftdist.demo.plot import write_png
-from ftdist.demo.report import build_report, render_text
-from ftdist.demo.supervisor import Interrupt, RunRecord, Supervisor
 from ftdist.demo.view import LiveView
-from ftdist.demo.worker import WorkerConfig
+
+if TYPE_CHECKING:
+    from ftdist.demo.supervisor import RunRecord
 
 __all__ = ["DemoOptions", "register", "run_demo"]
 
@@ -39,9 +39,13 @@ __all__ = ["DemoOptions", "register", "run_demo"]
 # well above the 100 ms heartbeat so that a busy 2-core machine does not
 # fake failures.
 HEARTBEAT_TIMEOUT_MS = 2000
+TORCHFT_HEARTBEAT_TIMEOUT_MS = 5000.0
 # A SIGSTOP lasts this long past the detection window.
 STOP_PAST_DETECTION_S = 3.0
 STEP_INTERVAL_S = 0.1
+MAX_DURATION_S = 24 * 3600.0
+MIN_KILL_EVERY_S = 2.0
+EVENTS_DIR = "events"
 
 
 @dataclass(frozen=True)
@@ -82,14 +86,20 @@ class DemoOptions:
             raise ValueError(f"--replicas {self.replicas}: failures need at least 2 replica "
                              "groups (a survivor heals the restarted one); use --replicas 2 "
                              "or more, or --no-failures")
-        if not self.duration_s > 0:
-            raise ValueError(f"--duration {self.duration_s}: must be a positive number of "
+        if not (math.isfinite(self.duration_s) and 1 <= self.duration_s <= MAX_DURATION_S):
+            raise ValueError(f"--duration {self.duration_s}: give 1 to {MAX_DURATION_S:.0f} "
                              "seconds")
-        if not self.kill_every_s > 0:
-            raise ValueError(f"--kill-every {self.kill_every_s}: must be a positive number of "
-                             "seconds")
+        if not (math.isfinite(self.kill_every_s) and self.kill_every_s >= MIN_KILL_EVERY_S):
+            raise ValueError(f"--kill-every {self.kill_every_s}: give at least "
+                             f"{MIN_KILL_EVERY_S:g} seconds (a victim needs time to heal)")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
+                or not 0 <= self.seed < 2**32:
+            raise ValueError(f"--seed {self.seed!r}: give an integer in [0, 2**32)")
         if not self.out:
             raise ValueError("--out must name a directory")
+        if os.path.exists(self.out) and not os.path.isdir(self.out):
+            raise ValueError(f"--out {self.out!r} is a file; name a directory (it is created "
+                             "if missing)")
         if self.lighthouse is not None and ":" not in self.lighthouse:
             raise ValueError(f"--lighthouse {self.lighthouse!r}: expected host:port or "
                              "http://host:port")
@@ -142,6 +152,9 @@ def _handle(args: argparse.Namespace) -> int:
 
     try:
         return run_demo(opts)
+    except ValueError as exc:
+        print(f"ftdist demo: {exc}", file=sys.stderr)
+        return 2
     except CoordinationError as exc:
         print(f"ftdist demo: {exc}\nStart one with `ftdist lighthouse`, or leave out "
               "--lighthouse to embed one.", file=sys.stderr)
@@ -158,17 +171,23 @@ def _machine() -> dict[str, Any]:
             "cpus": os.cpu_count()}
 
 
-def _start_lighthouse(opts: DemoOptions, view: LiveView) -> tuple[Any, str, str | None]:
+def _start_lighthouse(opts: DemoOptions, view: LiveView
+                      ) -> tuple[Any, str, str | None, float]:
     from ftdist.coordination import LighthouseServer
     from ftdist.coordination.lighthouse_client import LighthouseClient
 
     if opts.lighthouse is not None:
         # Fail before any process starts when the address is wrong.
-        with LighthouseClient(opts.lighthouse, connect_timeout=5.0):
-            pass
-        view.message(f"lighthouse: {opts.lighthouse} (joined; its heartbeat timeout sets how "
-                     "fast a hung group is detected)")
-        return None, opts.lighthouse, None
+        with LighthouseClient(opts.lighthouse, connect_timeout=5.0) as client:
+            try:
+                settings = client.status(timeout=5.0).get("settings", {})
+                heartbeat_ms = float(settings["heartbeat_timeout_ms"])
+            except Exception:
+                # torchft's lighthouse does not say; assume its default.
+                heartbeat_ms = TORCHFT_HEARTBEAT_TIMEOUT_MS
+        view.message(f"lighthouse: {opts.lighthouse} (joined; heartbeat timeout "
+                     f"{heartbeat_ms:.0f} ms)")
+        return None, opts.lighthouse, None, heartbeat_ms
     # A majority quorum: two disjoint quorums cannot both form, so replicas
     # that start (or stall) apart can never grow two histories of the same
     # step. One failure at a time (the injection rule) always leaves a
@@ -181,7 +200,28 @@ def _start_lighthouse(opts: DemoOptions, view: LiveView) -> tuple[Any, str, str 
     view.message(f"lighthouse: {server.address()} (embedded; quorum of at least "
                  f"{min_replicas}, heartbeat timeout {HEARTBEAT_TIMEOUT_MS} ms)")
     view.message(f"dashboard:  {dashboard}/  (open it in a browser while the demo runs)")
-    return server, server.address(), dashboard
+    return server, server.address(), dashboard, HEARTBEAT_TIMEOUT_MS
+
+
+def _clear_events(events_root: str) -> None:
+    """Remove a previous demo's events from ``events_root``, and nothing else.
+
+    Raises:
+        ValueError: the directory holds files the demo did not write (``--out``
+            points somewhere else than a demo directory).
+    """
+    ours = re.compile(r"replica\d+\.attempt\d+\.(jsonl|log)")
+    for run in ("run", "baseline"):
+        folder = os.path.join(events_root, run)
+        if not os.path.isdir(folder):
+            continue
+        names = os.listdir(folder)
+        strangers = [n for n in names if not ours.fullmatch(n)]
+        if strangers:
+            raise ValueError(f"{folder} holds files the demo did not write ({strangers[0]}, "
+                             "...); give --out a directory of its own")
+        for name in names:
+            os.remove(os.path.join(folder, name))
 
 
 def _log_to(path: str) -> logging.Handler:
@@ -214,21 +254,29 @@ def run_demo(opts: DemoOptions, stream: TextIO | None = None) -> int:
     out = stream or sys.stdout
     interactive = not opts.plain and out.isatty()
     view = LiveView(out, interactive)
+    from ftdist.demo.plot import write_png
+    from ftdist.demo.report import build_report, render_text
+    from ftdist.demo.supervisor import Interrupt, Supervisor
+    from ftdist.demo.worker import WorkerConfig
+
     os.makedirs(opts.out, exist_ok=True)
-    events_root = os.path.join(opts.out, "events")
-    shutil.rmtree(events_root, ignore_errors=True)
+    events_root = os.path.join(opts.out, EVENTS_DIR)
+    _clear_events(events_root)
     interrupt = Interrupt()
-    previous = signal.signal(signal.SIGINT, interrupt)
     server = None
     log_handler = _log_to(os.path.join(opts.out, "supervisor.log"))
+    previous = signal.signal(signal.SIGINT, interrupt)
     try:
-        server, lighthouse, dashboard = _start_lighthouse(opts, view)
-        hold = HEARTBEAT_TIMEOUT_MS / 1000 + STOP_PAST_DETECTION_S
+        server, lighthouse, dashboard, heartbeat_ms = _start_lighthouse(opts, view)
+        hold = heartbeat_ms / 1000 + STOP_PAST_DETECTION_S
         plan = (schedule.plan_injections(opts.seed, opts.duration_s, opts.kill_every_s, hold)
                 if opts.failures else [])
         view.message(f"{opts.replicas} replica groups, {opts.duration_s:g} s, seed {opts.seed}; "
                      f"failure plan: " + (", ".join(f"{i.kind} at {i.at_s:.0f} s" for i in plan)
                                           or "none"))
+        if interrupt.count:
+            view.message("Ctrl-C before the run started: nothing to report")
+            return 130
         run_id = uuid.uuid4().hex[:6]
         cfg = WorkerConfig(lighthouse=lighthouse, events_dir=os.path.join(events_root, "run"),
                            seed=opts.seed, replicas=opts.replicas, run=f"demo-{run_id}-",
@@ -249,7 +297,7 @@ def run_demo(opts: DemoOptions, stream: TextIO | None = None) -> int:
             "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "options": asdict(opts), "worker": asdict(cfg), "machine": _machine(),
             "lighthouse": lighthouse, "dashboard": dashboard,
-            "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS if server else None,
+            "heartbeat_timeout_ms": heartbeat_ms,
             "plan": [asdict(i) for i in plan], "interrupted": bool(interrupt.count),
         }
         report = build_report(main, baseline, meta)
@@ -257,7 +305,10 @@ def run_demo(opts: DemoOptions, stream: TextIO | None = None) -> int:
         with open(json_path, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1)
         png_path = os.path.join(opts.out, "report.png")
-        why_no_png = write_png(report, png_path)
+        try:
+            why_no_png = write_png(report, png_path)
+        except Exception as exc:  # the verdict must be printed whatever the plot does
+            why_no_png = f"drawing failed: {exc!r}"
         view.message(render_text(report))
         view.message(f"report: {os.path.abspath(json_path)}")
         view.message(f"plot:   {os.path.abspath(png_path)}" if why_no_png is None

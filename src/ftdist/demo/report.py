@@ -17,9 +17,10 @@ and also when a replica group died on its own (not by injection).
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ftdist.demo.supervisor import RunRecord
+if TYPE_CHECKING:
+    from ftdist.demo.supervisor import RunRecord
 
 LOSS_WINDOW = 50
 
@@ -169,7 +170,7 @@ def render_text(report: dict[str, Any]) -> str:
         f"{run['name']} run: {run['duration_s']:.1f} s, {run['steps_committed']} steps committed "
         f"by the job; replica step attempts {run['replica_steps_attempted']}, committed "
         f"{run['replica_steps_committed']} "
-        f"({run['replica_steps_attempted'] - run['replica_steps_committed']} voted down)")
+        f"({run['replica_steps_attempted'] - run['replica_steps_committed']} not committed)")
     lines.append(f"failures injected: {inj['total']} ({inj['kill']} SIGKILL, {inj['stop']} "
                  f"SIGSTOP); processes started: "
                  + ", ".join(f"replica{r['replica']} {r['processes']}" for r in run["replicas"]))
@@ -216,6 +217,9 @@ def render_text(report: dict[str, Any]) -> str:
     lines.append("")
     if v["ok"]:
         lines.append(f"VERDICT: PASS - {v['reason']}")
+    elif report.get("interrupted"):
+        lines.append(f"VERDICT: INTERRUPTED - Ctrl-C ended the run before it could finish: "
+                     f"{v['reason']}")
     else:
         lines += ["!" * 78, f"VERDICT: FAIL - {v['reason']}", "!" * 78]
     return "\n".join(lines)

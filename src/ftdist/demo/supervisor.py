@@ -39,6 +39,8 @@ REPLAY_BASE_S = 120.0
 REPLAY_PER_STEP_S = 0.2
 # A replica group that dies on its own this often ends the run.
 MAX_CRASHES = 3
+# The training clock starts at the latest this long after the processes.
+START_LIMIT_S = 60.0
 
 
 @dataclass
@@ -84,6 +86,7 @@ class RunRecord:
     started: float = 0.0
     ended: float = 0.0
     stop_step: int | None = None
+    training_started_s: float | None = None
     interrupted: bool = False
     injections: list[dict[str, Any]] = field(default_factory=list)
     heals: list[dict[str, Any]] = field(default_factory=list)
@@ -91,6 +94,12 @@ class RunRecord:
     failed_steps: list[dict[str, Any]] = field(default_factory=list)
     unexpected_exits: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+
+
+def _why_not(rs: ReplicaState) -> str:
+    if rs.state in ("training", "starting"):
+        return "not yet in a step with every group"
+    return rs.state
 
 
 class _Tail:
@@ -101,10 +110,13 @@ class _Tail:
         self._offsets: dict[str, int] = {}
         self._partial: dict[str, str] = {}
 
-    def read(self) -> list[tuple[int, dict[str, Any]]]:
-        out: list[tuple[int, dict[str, Any]]] = []
+    def read(self) -> list[tuple[int, int, dict[str, Any]]]:
+        """New complete events: ``(replica, attempt, event)`` in time order."""
+        out: list[tuple[int, int, dict[str, Any]]] = []
         for path in sorted(glob.glob(os.path.join(self._dir, "replica*.jsonl"))):
-            replica = int(os.path.basename(path)[len("replica"):].split(".")[0])
+            # replica<R>.attempt<A>.jsonl
+            name = os.path.basename(path).split(".")
+            replica, attempt = int(name[0][len("replica"):]), int(name[1][len("attempt"):])
             with open(path, encoding="utf-8") as f:
                 f.seek(self._offsets.get(path, 0))
                 chunk = f.read()
@@ -118,10 +130,10 @@ class _Tail:
             for line in lines[:-1]:
                 if line.strip():
                     try:
-                        out.append((replica, json.loads(line)))
+                        out.append((replica, attempt, json.loads(line)))
                     except json.JSONDecodeError:
                         continue
-        out.sort(key=lambda item: float(item[1].get("t", 0.0)))
+        out.sort(key=lambda item: float(item[2].get("t", 0.0)))
         return out
 
 
@@ -179,12 +191,21 @@ class Supervisor:
         self._control: Any = None
         self.phase = "starting"
         self._crash_loop = False
+        self._train_t0: float | None = None
 
     # -- helpers for views ------------------------------------------------------------------
     @property
     def replicas(self) -> list[ReplicaState]:
         """The replica groups' states, by index."""
         return self.record.replicas
+
+    def train_elapsed(self) -> float:
+        """Seconds of training: since every replica group first stepped together.
+
+        Raises:
+            Nothing.
+        """
+        return time.time() - self._train_t0 if self._train_t0 is not None else 0.0
 
     def elapsed(self) -> float:
         """Seconds since the run started."""
@@ -239,7 +260,8 @@ class Supervisor:
                 return
             self._absorb()
             now = self.elapsed()
-            if self.duration_s is not None and now >= self.duration_s:
+            self._start_clock(now)
+            if self.duration_s is not None and self.train_elapsed() >= self.duration_s:
                 return
             if self.duration_s is None and self._all_final():
                 return
@@ -251,8 +273,8 @@ class Supervisor:
                 self.record.notes.append("a replica group kept dying on its own; run ended early")
                 return
             self._maintain(now)
-            if self.duration_s is not None:
-                self._maybe_inject(now)
+            if self.duration_s is not None and self._train_t0 is not None:
+                self._maybe_inject(self.train_elapsed(), now)
             self._tick()
             time.sleep(POLL_S)
 
@@ -266,6 +288,10 @@ class Supervisor:
                 self._resume(rs)
             if rs.state == "killed":
                 rs.restart_at = 0.0
+        if self.record.interrupted and self.duration_s is None:
+            # A run to a known step (the baseline) is only a comparison:
+            # Ctrl-C ends it at once.
+            return
         grace = 20.0 if self.record.interrupted else 45.0
         deadline = time.monotonic() + grace
         if self.record.stop_step is None:
@@ -275,10 +301,7 @@ class Supervisor:
                     self.record.notes.append("not every replica group was back in the quorum "
                                              "when the run ended")
                     break
-                self._absorb()
-                self._maintain(self.elapsed())
-                self._tick()
-                time.sleep(POLL_S)
+                self._finishing_tick()
             stop = self.max_step() + self._steps_ahead()
             self.record.stop_step = stop
             self._control.set(STOP_KEY, str(stop))
@@ -290,12 +313,18 @@ class Supervisor:
                 missing = [f"replica{rs.replica}" for rs in self.replicas if rs.final is None]
                 self.record.notes.append(f"no final report from {', '.join(missing)}")
                 break
-            self._absorb()
-            self._maintain(self.elapsed())
-            self._tick()
-            time.sleep(POLL_S)
+            self._finishing_tick()
         # The replicas left together (done barrier); give them a moment to exit.
         self._ranks.join(timeout=5.0 if self._all_final() else 0.5)
+
+    def _finishing_tick(self) -> None:
+        if self._interrupt.count and not self.record.interrupted:
+            self.record.interrupted = True
+            self._say("Ctrl-C: the run is already ending (press again to stop at once)")
+        self._absorb()
+        self._maintain(self.elapsed())
+        self._tick()
+        time.sleep(POLL_S)
 
     def _replay_limit_s(self) -> float:
         # A run to a known stop step (the baseline) has no duration; this
@@ -313,10 +342,26 @@ class Supervisor:
         return 4 * MIN_STOP_AHEAD_STEPS
 
     # -- acting on the plan -----------------------------------------------------------------
-    def _maybe_inject(self, now: float) -> None:
-        health = [schedule.ReplicaHealth(rs.replica, rs.healthy, rs.state)
+    def _start_clock(self, now: float) -> None:
+        # The duration and the failure plan count training time, from the
+        # first step every replica group took together: starting processes
+        # takes seconds on a busy machine, and a plan that struck during
+        # start-up would only be postponed.
+        if self._train_t0 is not None:
+            return
+        if all(rs.healthy for rs in self.replicas) or now > START_LIMIT_S:
+            if now > START_LIMIT_S:
+                self.record.notes.append(f"the replica groups were not all training after "
+                                         f"{START_LIMIT_S:.0f} s; the clock started anyway")
+            self._train_t0 = time.time()
+            self.record.training_started_s = round(now, 3)
+            self._say(f"every replica group is training (after {now:.1f} s of start-up); "
+                      "the clock starts")
+
+    def _maybe_inject(self, train_now: float, now: float) -> None:
+        health = [schedule.ReplicaHealth(rs.replica, rs.healthy, _why_not(rs))
                   for rs in self.replicas]
-        decision = schedule.decide(now, self.pending, health, self.cfg.seed)
+        decision = schedule.decide(train_now, self.pending, health, self.cfg.seed)
         if decision.injection is None:
             if "postponed" in decision.reason and decision.reason != self._last_reason:
                 self._say(decision.reason)
@@ -371,6 +416,9 @@ class Supervisor:
                     and now >= rs.restart_at:
                 self._restart(rs)
             elif code is not None and rs.state not in ("killed", "finished", "exited"):
+                # It may have written its final report and left since the
+                # last read of the events.
+                self._absorb()
                 if rs.final is not None:
                     rs.state = "finished"
                     continue
@@ -409,9 +457,13 @@ class Supervisor:
 
     # -- events -----------------------------------------------------------------------------
     def _absorb(self) -> None:
-        for replica, ev in self._tail.read():
+        for replica, attempt, ev in self._tail.read():
             rs = self.replicas[replica]
             kind = ev.get("kind")
+            if attempt < rs.attempt:
+                # A late line of a process already replaced: its steps and
+                # heals are history, and must not mark the new one healthy.
+                continue
             if kind == "step":
                 self._on_step(rs, ev)
             elif kind == "heal":

@@ -13,6 +13,8 @@ so the output stays readable there.
 from __future__ import annotations
 
 import collections
+import re
+import shutil
 import time
 from typing import TYPE_CHECKING, TextIO
 
@@ -25,6 +27,20 @@ PLAIN_STATUS_EVERY_S = 5.0
 
 _COLORS = {"training": "32", "finished": "32", "healing": "33", "starting": "33",
            "killed": "31", "stopped": "31", "exited": "31"}
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def clip(line: str, width: int) -> str:
+    """``line`` cut to ``width`` visible characters (color codes do not count).
+
+    Raises:
+        Nothing.
+    """
+    if len(_ANSI.sub("", line)) <= width:
+        return line
+    return _ANSI.sub("", line)[:width - 1] + "~"
 
 
 def progress_bar(fraction: float, width: int = BAR_WIDTH) -> str:
@@ -61,7 +77,7 @@ def table_rows(sup: Supervisor, color: bool = False) -> list[str]:
 
 def _progress(sup: Supervisor) -> float:
     if sup.duration_s:
-        return sup.elapsed() / sup.duration_s
+        return sup.train_elapsed() / sup.duration_s
     stop = sup.record.stop_step
     return sup.max_step() / stop if stop else 0.0
 
@@ -121,13 +137,17 @@ class LiveView:
             return
         quorum = max((rs.quorum_id for rs in sup.replicas), default=-1)
         lines = [
-            f"{sup.record.name} run  {progress_bar(_progress(sup))}  {sup.elapsed():5.1f} s  "
+            f"{sup.record.name} run  {progress_bar(_progress(sup))}  {sup.train_elapsed():5.1f} s  "
             f"step {max(sup.max_step(), 0)}  quorum {quorum if quorum >= 0 else '-'}  "
             f"({sup.phase})",
             *table_rows(sup, color=True),
             "",
             *(self._recent or ["(no events yet)"]),
         ]
+        # A line wider than the terminal wraps onto two rows, and the
+        # cursor-up count of the next redraw would fall short of the block.
+        width = max(20, shutil.get_terminal_size().columns - 1)
+        lines = [clip(line, width) for line in lines]
         self._clear()
         self._out.write("\n".join(lines) + "\n")
         self._out.flush()

@@ -38,6 +38,11 @@ STOP_KEY = "stop_step"
 DONE_KEY = "done"
 UP_KEY = "up"
 START_WAIT_S = 60.0
+# Finished replicas wait this long for the others (a straggler needs a quorum
+# round, a heal and its failed last step, bounded by the 5 s step timeout).
+FINISH_WAIT_S = 40.0
+FINISH_ROUND_EVERY_S = 1.0
+FINISH_ROUND_TIMEOUT = timedelta(seconds=3)
 
 
 @dataclass(frozen=True)
@@ -135,6 +140,30 @@ class _Batches:
         return x[rows], y[rows]
 
 
+def _leave_together(manager: Any, control: Any, replicas: int) -> None:
+    """Stay until every replica group reached the stop step, then leave.
+
+    A replica that exits while a peer still finishes its last step would
+    look like a failure to that peer. And a replica left out of the last
+    quorum (it was late) is behind the stop step, parked in a quorum that
+    needs a majority: the finished ones join a quorum round now and then,
+    without stepping, so that it can form and the straggler heals to the
+    stop step from their memory.
+    """
+    control.add(DONE_KEY, 1)
+    deadline = time.monotonic() + FINISH_WAIT_S
+    last_round = time.monotonic()
+    while int(control.add(DONE_KEY, 0)) < replicas and time.monotonic() < deadline:
+        if time.monotonic() - last_round >= FINISH_ROUND_EVERY_S:
+            try:
+                manager.start_quorum(timeout=FINISH_ROUND_TIMEOUT)
+                manager.wait_quorum()
+            except Exception:  # a round that nobody else joins times out: fine
+                pass
+            last_round = time.monotonic()
+        time.sleep(0.05)
+
+
 def _load(model: nn.Module, optim: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
     model.load_state_dict(sd["model"])
     optim.load_state_dict(sd["optim"])
@@ -150,13 +179,13 @@ def replica_main(ctx: RankContext, cfg: WorkerConfig, attempt: int) -> None:
     Raises:
         RuntimeError: the Manager gave up (too many failed commits).
     """
+    # Ctrl-C reaches the whole process group; the supervisor decides.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from ftdist.ddp import DistributedDataParallel
     from ftdist.manager import Manager
     from ftdist.optim import OptimizerWrapper
     from ftdist.process_group import ProcessGroupGloo
 
-    # Ctrl-C reaches the whole process group; the supervisor decides.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     replica = ctx.rank
     path = events_path(cfg.events_dir, replica, attempt)
     _output_to(path[:-len(".jsonl")] + ".log")
@@ -220,12 +249,7 @@ def replica_main(ctx: RankContext, cfg: WorkerConfig, attempt: int) -> None:
         eval_loss, accuracy = task.evaluate(model, held_out)
         log.emit("final", step=manager.current_step(), hash=task.state_hash(model, optim),
                  eval_loss=eval_loss, accuracy=accuracy)
-        # Leave together: a replica that exits while a peer still finishes
-        # its last step would look like a failure to that peer.
-        control.add(DONE_KEY, 1)
-        deadline = time.monotonic() + 20
-        while int(control.add(DONE_KEY, 0)) < cfg.replicas and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _leave_together(manager, control, cfg.replicas)
     finally:
         manager.shutdown(wait=False)
         pg.shutdown()
