@@ -271,9 +271,9 @@ def run_demo(opts: DemoOptions, stream: TextIO | None = None) -> int:
         hold = heartbeat_ms / 1000 + STOP_PAST_DETECTION_S
         plan = (schedule.plan_injections(opts.seed, opts.duration_s, opts.kill_every_s, hold)
                 if opts.failures else [])
+        planned = ", ".join(f"{i.kind} at {i.at_s:.0f} s" for i in plan) or "none"
         view.message(f"{opts.replicas} replica groups, {opts.duration_s:g} s, seed {opts.seed}; "
-                     f"failure plan: " + (", ".join(f"{i.kind} at {i.at_s:.0f} s" for i in plan)
-                                          or "none"))
+                     f"failure plan (seconds of training): {planned}")
         if interrupt.count:
             view.message("Ctrl-C before the run started: nothing to report")
             return 130

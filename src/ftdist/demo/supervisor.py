@@ -347,7 +347,7 @@ class Supervisor:
         # first step every replica group took together: starting processes
         # takes seconds on a busy machine, and a plan that struck during
         # start-up would only be postponed.
-        if self._train_t0 is not None:
+        if self._train_t0 is not None or self.duration_s is None:
             return
         if all(rs.healthy for rs in self.replicas) or now > START_LIMIT_S:
             if now > START_LIMIT_S:
