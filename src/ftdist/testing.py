@@ -283,7 +283,11 @@ class Ranks:
         return out
 
     def exitcode(self, rank: int) -> int | None:
-        """The rank's current process exit code (None while running)."""
+        """The rank's current process exit code (None while running).
+
+        Raises:
+            IndexError: no such rank.
+        """
         return self._procs[rank].exitcode
 
     @property
@@ -311,7 +315,11 @@ class Ranks:
         return dist.PrefixStore(self._prefix, self._store)
 
     def signal(self, rank: int, sig: int) -> None:
-        """Send ``sig`` to a rank (SIGKILL, SIGSTOP, SIGCONT, ...)."""
+        """Send ``sig`` to a rank (SIGKILL, SIGSTOP, SIGCONT, ...); a rank already gone is skipped.
+
+        Raises:
+            IndexError: no such rank.
+        """
         pid = self._procs[rank].pid
         if pid is not None:
             try:
@@ -320,7 +328,11 @@ class Ranks:
                 pass
 
     def kill(self, rank: int) -> None:
-        """SIGKILL a rank."""
+        """SIGKILL a rank.
+
+        Raises:
+            IndexError: no such rank.
+        """
         self.signal(rank, signal.SIGKILL)
 
     def join(self, timeout: float, only: Sequence[int] | None = None) -> list[RankOutcome]:

@@ -196,7 +196,11 @@ class Supervisor:
     # -- helpers for views ------------------------------------------------------------------
     @property
     def replicas(self) -> list[ReplicaState]:
-        """The replica groups' states, by index."""
+        """The replica groups' states, by index.
+
+        Raises:
+            Nothing.
+        """
         return self.record.replicas
 
     def train_elapsed(self) -> float:
@@ -208,11 +212,19 @@ class Supervisor:
         return time.time() - self._train_t0 if self._train_t0 is not None else 0.0
 
     def elapsed(self) -> float:
-        """Seconds since the run started."""
+        """Seconds since the run started.
+
+        Raises:
+            Nothing.
+        """
         return time.time() - self._t0 if self._t0 else 0.0
 
     def max_step(self) -> int:
-        """The newest committed step seen."""
+        """The number of steps committed so far (the newest committed step + 1).
+
+        Raises:
+            Nothing.
+        """
         return max(self.record.steps, default=-1) + 1
 
     def _say(self, text: str) -> None:

@@ -77,22 +77,38 @@ class WorkerConfig:
 
 
 class EventLog:
-    """Append-only JSON lines, one flushed write per event."""
+    """Append-only JSON lines, one flushed write per event.
+
+    Raises:
+        OSError: the file cannot be opened.
+    """
 
     def __init__(self, path: str) -> None:
         self._file: IO[str] = open(path, "a", buffering=1)
 
     def emit(self, kind: str, **fields: Any) -> None:
-        """Write one event with its wall time."""
+        """Write one event with its wall time.
+
+        Raises:
+            OSError: the events file cannot be written.
+        """
         self._file.write(json.dumps({"kind": kind, "t": time.time(), **fields}) + "\n")
 
     def close(self) -> None:
-        """Close the file."""
+        """Close the file.
+
+        Raises:
+            Nothing.
+        """
         self._file.close()
 
 
 def events_path(events_dir: str, replica: int, attempt: int) -> str:
-    """The events file of one process (one attempt) of one replica group."""
+    """The events file of one process (one attempt) of one replica group.
+
+    Raises:
+        Nothing.
+    """
     return os.path.join(events_dir, f"replica{replica}.attempt{attempt}.jsonl")
 
 
@@ -258,5 +274,9 @@ def replica_main(ctx: RankContext, cfg: WorkerConfig, attempt: int) -> None:
 
 
 def config_dict(cfg: WorkerConfig) -> dict[str, Any]:
-    """The config as JSON-ready data (for the report)."""
+    """The config as JSON-ready data (for the report).
+
+    Raises:
+        Nothing.
+    """
     return asdict(cfg)
