@@ -24,6 +24,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests._procs import children, processes_with
+
 # Names the browser goes by in Debian, Ubuntu and Google's packages.
 CANDIDATES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 # Overrides the search, for a browser installed elsewhere.
@@ -161,26 +163,6 @@ def ensure_chromium(timeout: float = INSTALL_TIMEOUT) -> tuple[str | None, str]:
     return None, f"chromium not installed and apt-get install failed: {problem or 'no binary'}"
 
 
-def _processes_with(marker: str) -> list[int]:
-    """Live processes (not zombies) whose environment holds ``marker``."""
-    needle = marker.encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle not in f.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{entry}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    continue
-        except OSError:
-            continue  # gone, or not ours
-        found.append(int(entry))
-    return found
-
-
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -193,26 +175,9 @@ def _set_subreaper(on: bool) -> bool:
     return bool(prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0)
 
 
-def _children() -> dict[int, str]:
-    """This process's children: pid to state letter."""
-    me = str(os.getpid())
-    children = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[1] == me:
-            children[int(entry)] = fields[0]
-    return children
-
-
 def _reap_adopted(before: set[int]) -> None:
     """Reap the dead children this process adopted since ``before``."""
-    for pid, state in _children().items():
+    for pid, state in children().items():
         if pid not in before and state == "Z":
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
@@ -221,7 +186,7 @@ def _reap_adopted(before: set[int]) -> None:
 def _kill_all(marker: str, timeout: float = 10.0) -> None:
     """Kill every process carrying ``marker`` and wait until none is left."""
     deadline = time.monotonic() + timeout
-    while pids := _processes_with(marker):
+    while pids := processes_with(marker):
         if time.monotonic() > deadline:
             raise RuntimeError(f"chromium processes {pids} survived SIGKILL")
         for pid in pids:
@@ -251,7 +216,7 @@ class Chromium:
         # Chromium's crash handler and zygote outlive their parents; as
         # orphans they would go to PID 1, which in a container often never
         # reaps them. Adopting them lets this process reap them itself.
-        before = set(_children())
+        before = set(children())
         adopting = _set_subreaper(True)
         try:
             return self._run(url, args, uuid.uuid4().hex)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -10,25 +9,15 @@ from typing import Any
 
 import pytest
 
+from tests._procs import children
+
 # Threads that belong to the interpreter or to libraries for the whole
 # session, not to one test.
 _SESSION_THREADS = ("pytest_timeout", "QueueFeederThread", "resource_sharer")
 
 
 def _children() -> set[int]:
-    me = str(os.getpid())
-    pids = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[1] == me and fields[0] != "Z":
-            pids.add(int(entry))
-    return pids
+    return {pid for pid, state in children().items() if state != "Z"}
 
 
 def _session_processes() -> set[int | None]:

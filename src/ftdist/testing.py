@@ -179,6 +179,22 @@ def _child_main(
     os._exit(0)
 
 
+def _take_result(conn: mpc.Connection, outcome: RankOutcome) -> None:
+    """Move the result a rank sent, if one is waiting, into ``outcome``; close the pipe then."""
+    if conn.closed or not conn.poll(0):
+        return
+    try:
+        kind, payload = conn.recv()
+    except (EOFError, OSError):
+        conn.close()
+        return
+    if kind == "ok":
+        outcome.value = payload
+    else:
+        outcome.error = payload
+    conn.close()
+
+
 @dataclass
 class Ranks:
     """N rank processes started together; a context manager.
@@ -271,15 +287,7 @@ class Ranks:
         if proc.exitcode is None:
             return None
         out = RankOutcome(rank=rank, exitcode=proc.exitcode)
-        if not conn.closed and conn.poll(0):
-            try:
-                kind, payload = conn.recv()
-            except (EOFError, OSError):
-                return out
-            if kind == "ok":
-                out.value = payload
-            else:
-                out.error = payload
+        _take_result(conn, out)
         return out
 
     def exitcode(self, rank: int) -> int | None:
@@ -355,31 +363,12 @@ class Ranks:
             ready = mpc.wait(waitables, timeout=min(remaining, 1.0))
             for obj in ready:
                 if isinstance(obj, mpc.Connection):
-                    r = conn_rank[id(obj)]
-                    try:
-                        kind, payload = obj.recv()
-                    except (EOFError, OSError):
-                        obj.close()
-                        continue
-                    if kind == "ok":
-                        outcomes[r].value = payload
-                    else:
-                        outcomes[r].error = payload
-                    obj.close()
+                    _take_result(obj, outcomes[conn_rank[id(obj)]])
             for r in list(pending):
                 proc = self._procs[r]
                 if proc.exitcode is not None:
                     # The result may have landed just before the exit.
-                    conn = self._conns[r]
-                    if not conn.closed and conn.poll(0):
-                        try:
-                            kind, payload = conn.recv()
-                            if kind == "ok":
-                                outcomes[r].value = payload
-                            else:
-                                outcomes[r].error = payload
-                        except (EOFError, OSError):
-                            pass
+                    _take_result(self._conns[r], outcomes[r])
                     outcomes[r].exitcode = proc.exitcode
                     pending.discard(r)
         self.terminate()

@@ -20,21 +20,9 @@ from typing import Any
 
 import pytest
 
+from tests._procs import processes_with
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def _processes_with(token: str) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if token.encode() in f.read():
-                    found.append(int(entry))
-        except OSError:
-            continue
-    return found
 
 
 class DemoProcess:
@@ -59,7 +47,7 @@ class DemoProcess:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.communicate(timeout=10)
-        for pid in _processes_with(self.token):
+        for pid in processes_with(self.token):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -67,10 +55,10 @@ class DemoProcess:
 
     def assert_nothing_left(self) -> None:
         # Ranks watch the demo process through a pidfd and exit with it.
-        deadline = time.monotonic() + 5
-        while _processes_with(self.token) and time.monotonic() < deadline:
+        deadline = time.monotonic() + 15
+        while processes_with(self.token) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _processes_with(self.token) == [], "demo processes outlived the demo"
+        assert processes_with(self.token) == [], "demo processes outlived the demo"
 
 
 @pytest.fixture
@@ -199,7 +187,7 @@ def test_no_replica_outlives_a_killed_demo(demo: Any) -> None:
         assert time.monotonic() < deadline, "the replicas never started"
         assert run.proc.poll() is None, run.finish(5)[1]
         time.sleep(0.2)
-    assert len(_processes_with(run.token)) >= 4  # demo, fork server, 3 replicas
+    assert len(processes_with(run.token)) >= 4  # demo, fork server, 3 replicas
     os.kill(run.proc.pid, signal.SIGKILL)
     run.proc.communicate(timeout=10)
     run.assert_nothing_left()

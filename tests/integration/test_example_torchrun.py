@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from tests._procs import processes_with
+
 pytestmark = pytest.mark.timeout(120)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,21 +31,7 @@ TAG = "FTDIST_TEST_EXAMPLE_TAG"
 
 def _tagged(tag: str) -> list[int]:
     """Live processes whose environment carries ``TAG=tag``."""
-    marker = f"{TAG}={tag}".encode()
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if marker in env and state != "Z":
-            pids.append(int(entry))
-    return pids
+    return processes_with(f"{TAG}={tag}")
 
 
 def _kill_all(procs: list[subprocess.Popen[Any]], tag: str) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -93,9 +92,8 @@ def test_install_is_bounded_and_leaves_no_process(
     fake_apt: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("FAKE_MODE", "hang")
-    start = time.monotonic()
+    # A hang would outlive the module's 30 s test timeout.
     problem = install_chromium(timeout=1.0)
-    assert time.monotonic() - start < 10
     assert problem is not None and "timed out" in problem
 
 

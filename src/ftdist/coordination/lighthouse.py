@@ -135,6 +135,20 @@ class _EventStream:
         self.rpc.abort(grpc.StatusCode.UNAVAILABLE, _CLOSING)
 
 
+def _decode(rpc: RpcCall, message_type: Any, request: bytes) -> Any:
+    """``request`` parsed as ``message_type``; None after aborting the call.
+
+    A malformed request is the client's error: INVALID_ARGUMENT naming the
+    expected message, and the server goes on.
+    """
+    try:
+        return message_type.FromString(request)
+    except DecodeError:
+        rpc.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                  f"request is not a valid {message_type.DESCRIPTOR.full_name}")
+        return None
+
+
 class LighthouseServer:
     """A lighthouse serving on a background thread until :meth:`shutdown`.
 
@@ -327,13 +341,8 @@ class LighthouseServer:
     # -- RPC handlers (on the server thread) ----------------------------------
 
     def _handle_quorum(self, rpc: RpcCall, request: bytes) -> None:
-        try:
-            message = torchft_pb2.LighthouseQuorumRequest.FromString(request)
-        except DecodeError:
-            rpc.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "request is not a valid torchft.LighthouseQuorumRequest",
-            )
+        message = _decode(rpc, torchft_pb2.LighthouseQuorumRequest, request)
+        if message is None:
             return
         if not message.HasField("requester"):
             rpc.abort(grpc.StatusCode.INVALID_ARGUMENT, "missing requester")
@@ -366,13 +375,8 @@ class LighthouseServer:
         engine.tick()
 
     def _handle_heartbeat(self, rpc: RpcCall, request: bytes) -> None:
-        try:
-            message = torchft_pb2.LighthouseHeartbeatRequest.FromString(request)
-        except DecodeError:
-            rpc.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "request is not a valid torchft.LighthouseHeartbeatRequest",
-            )
+        message = _decode(rpc, torchft_pb2.LighthouseHeartbeatRequest, request)
+        if message is None:
             return
         replica_id = message.replica_id
         if not replica_id:
@@ -388,12 +392,8 @@ class LighthouseServer:
         rpc.reply(b"")
 
     def _handle_subscribe(self, rpc: RpcCall, request: bytes) -> None:
-        try:
-            message = ftdist_pb2.SubscribeRequest.FromString(request)
-        except DecodeError:
-            rpc.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "request is not a valid ftdist.SubscribeRequest"
-            )
+        message = _decode(rpc, ftdist_pb2.SubscribeRequest, request)
+        if message is None:
             return
         logger.debug("Event subscriber %r joined", message.replica_id)
         engine = self._engine
@@ -409,12 +409,7 @@ class LighthouseServer:
         engine.stream_opened(replica_id)
 
     def _handle_status(self, rpc: RpcCall, request: bytes) -> None:
-        try:
-            ftdist_pb2.StatusRequest.FromString(request)
-        except DecodeError:
-            rpc.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "request is not a valid ftdist.StatusRequest"
-            )
+        if _decode(rpc, ftdist_pb2.StatusRequest, request) is None:
             return
         # Handlers run on the server thread, which is the engine's loop, as
         # build_status requires.

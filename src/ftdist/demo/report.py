@@ -40,13 +40,8 @@ def loss_curve(record: RunRecord) -> list[dict[str, Any]]:
     return curve
 
 
-def _tail_loss(curve: list[dict[str, Any]]) -> float | None:
-    losses = [p["loss"] for p in curve if p["loss"] is not None][-LOSS_WINDOW:]
-    return statistics.fmean(losses) if losses else None
-
-
-def _head_loss(curve: list[dict[str, Any]]) -> float | None:
-    losses = [p["loss"] for p in curve if p["loss"] is not None][:10]
+def _mean_loss(curve: list[dict[str, Any]], part: slice) -> float | None:
+    losses = [p["loss"] for p in curve if p["loss"] is not None][part]
     return statistics.fmean(losses) if losses else None
 
 
@@ -96,6 +91,7 @@ def run_summary(record: RunRecord) -> dict[str, Any]:
         "name": record.name,
         "duration_s": round(record.ended - record.started, 3),
         "interrupted": record.interrupted,
+        "training_started_s": record.training_started_s,
         "stop_step": record.stop_step,
         "steps_committed": len(record.steps),
         "replica_steps_attempted": sum(rs.steps_attempted for rs in record.replicas),
@@ -112,7 +108,8 @@ def run_summary(record: RunRecord) -> dict[str, Any]:
         "failed_steps": record.failed_steps,
         "unexpected_exits": record.unexpected_exits,
         "notes": record.notes,
-        "loss": {"first": _head_loss(curve), "last": _tail_loss(curve),
+        "loss": {"first": _mean_loss(curve, slice(10)),
+                 "last": _mean_loss(curve, slice(-LOSS_WINDOW, None)),
                  "eval_loss": finals[0]["eval_loss"] if finals else None,
                  "eval_accuracy": finals[0]["accuracy"] if finals else None},
         "curve": curve,

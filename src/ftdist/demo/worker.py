@@ -23,7 +23,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import IO, Any
 
@@ -239,11 +239,14 @@ def replica_main(ctx: RankContext, cfg: WorkerConfig, attempt: int) -> None:
     ddp = DistributedDataParallel(manager, model)
     opt = OptimizerWrapper(manager, optim)
     heals_seen = 0
+    stop: int | None = None
     try:
         while True:
             began = time.monotonic()
             step = manager.current_step()
-            if control.check([STOP_KEY]) and step >= int(control.get(STOP_KEY)):
+            if stop is None and control.check([STOP_KEY]):
+                stop = int(control.get(STOP_KEY))  # set once per run: read it once
+            if stop is not None and step >= stop:
                 break
             opt.zero_grad()
             x, y = batches(step)
@@ -271,12 +274,3 @@ def replica_main(ctx: RankContext, cfg: WorkerConfig, attempt: int) -> None:
         pg.shutdown()
         log.close()
         del own_store
-
-
-def config_dict(cfg: WorkerConfig) -> dict[str, Any]:
-    """The config as JSON-ready data (for the report).
-
-    Raises:
-        Nothing.
-    """
-    return asdict(cfg)
