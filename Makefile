@@ -44,11 +44,11 @@ bench: setup
 
 # Regenerates the committed protobuf modules from coordination/proto.
 proto: setup
-	$(PY) -m grpc_tools.protoc -I src/ftdist/coordination/proto \
-		--python_out=src/ftdist/coordination/_proto \
-		--pyi_out=src/ftdist/coordination/_proto \
-		src/ftdist/coordination/proto/torchft.proto \
-		src/ftdist/coordination/proto/ftdist.proto
+	$(PY) -m grpc_tools.protoc -I src/ftdist/_rpc/proto \
+		--python_out=src/ftdist/_rpc/_proto \
+		--pyi_out=src/ftdist/_rpc/_proto \
+		src/ftdist/_rpc/proto/torchft.proto \
+		src/ftdist/_rpc/proto/ftdist.proto
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

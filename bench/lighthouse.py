@@ -33,7 +33,7 @@ import time
 import grpc
 import grpc.aio
 
-from ftdist.coordination._proto import torchft_pb2 as pb
+from ftdist._rpc._proto import torchft_pb2 as pb
 
 _QUORUM = "/torchft.LighthouseService/Quorum"
 _HEARTBEAT = "/torchft.LighthouseService/Heartbeat"

@@ -1,6 +1,6 @@
 """Process group benchmark: ftdist Gloo groups against raw torch Gloo.
 
-Two ranks run on this machine as real processes (``ftdist.testing.run_ranks``:
+Two ranks run on this machine as real processes (``ftdist.launch.ranks.run_ranks``:
 forkserver children meeting on a TCPStore on 127.0.0.1). Each rank builds
 three groups and measures them side by side:
 
@@ -103,8 +103,8 @@ import torch
 import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
+from ftdist.launch.ranks import RankContext, run_ranks
 from ftdist.process_group import ProcessGroupBabyGloo, ProcessGroupGloo
-from ftdist.testing import RankContext, run_ranks
 
 MiB = 1 << 20
 TIMEOUT = timedelta(seconds=60)

@@ -1,7 +1,7 @@
 """Recovery benchmark: what fault tolerance costs per step, and how fast it recovers.
 
 Everything runs on this machine in one go, as real processes started by
-``ftdist.testing.Ranks`` (forkserver children with torch preloaded, meeting on
+``ftdist.launch.ranks.Ranks`` (forkserver children with torch preloaded, meeting on
 TCPStores on 127.0.0.1), with a real :class:`ftdist.coordination.LighthouseServer`
 in this (the parent) process. Numbers are absolute and, where there is a
 baseline, side by side with it.
@@ -78,7 +78,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ftdist.testing import RankContext, Ranks
+from ftdist.launch.ranks import RankContext, Ranks
 
 GB = 1e9
 MiB = 1 << 20
@@ -883,7 +883,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print("ftdist recovery benchmark" + (" (--quick: rough numbers)" if quick else ""))
     print(_machine())
-    print(f"ftdist {os.path.dirname(ftdist.__file__)}; ranks: ftdist.testing.Ranks (forkserver "
+    print(f"ftdist {os.path.dirname(ftdist.__file__)}; ranks: ftdist.launch.ranks.Ranks (forkserver "
           f"children); lighthouse in this process; start {_load()}")
     targets: Targets = []
     start = time.monotonic()

@@ -14,7 +14,7 @@ Environment:
     NUM_REPLICA_GROUPS   replica groups in the job; shards the data (default 1)
     FTDIST_LIGHTHOUSE    the lighthouse address (TORCHFT_LIGHTHOUSE works too)
     RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT   set by torchrun
-    FTDIST_TIMEOUT_SEC, FTDIST_MANAGER_PORT, ... see ftdist.manager_settings
+    FTDIST_TIMEOUT_SEC, FTDIST_MANAGER_PORT, ... see ftdist.manager.config
 
 Gradients are averaged in two stages: across replica groups by ftdist's DDP
 (rank r of every live group; this set changes as groups fail and return),

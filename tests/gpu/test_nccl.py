@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from ftdist.testing import RankContext, Ranks, run_ranks
+from ftdist.launch.ranks import RankContext, Ranks, run_ranks
 
 pytestmark = [
     pytest.mark.gpu,

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ftdist.testing import RankContext
+from ftdist.launch.ranks import RankContext
 
 
 def model_and_optim(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -12,7 +12,7 @@ import torch
 
 from ftdist.checkpointing import HTTPTransport, PGTransport, _wire
 from ftdist.errors import CheckpointError
-from ftdist.testing import RankContext, run_ranks
+from ftdist.launch.ranks import RankContext, run_ranks
 
 TIMEOUT = timedelta(seconds=10)
 
@@ -188,7 +188,7 @@ def test_pg_transport_round_trip(in_place: bool) -> None:
 
 @pytest.mark.timeout(60)
 def test_pg_transport_refuses_wrong_step() -> None:
-    from ftdist.testing import Ranks
+    from ftdist.launch.ranks import Ranks
 
     with Ranks(_pg_round_trip, 2, args=(False, True)) as ranks:
         outcome = ranks.join(timeout=40, only=[1])[1]

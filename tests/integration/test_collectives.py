@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ftdist.testing import RankContext, run_ranks
+from ftdist.launch.ranks import RankContext, run_ranks
 from tests.integration.collective_checks import CHECKS, first_line
 
 README = Path(__file__).resolve().parents[2] / "README.md"

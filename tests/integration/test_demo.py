@@ -203,7 +203,7 @@ def test_a_replica_late_for_the_last_steps_still_ends_identical(tmp_path: Path,
     and it heals to the stop step instead of waiting forever.
     """
     from ftdist.demo.worker import STOP_KEY, WorkerConfig, replica_main
-    from ftdist.testing import Ranks
+    from ftdist.launch.ranks import Ranks
 
     server = lighthouse_factory(min_replicas=2, heartbeat_timeout_ms=1000, join_timeout_ms=100)
     events = tmp_path / "events"

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from ftdist.testing import RankContext, run_ranks
+from ftdist.launch.ranks import RankContext, run_ranks
 
 
 def _mesh(ctx: RankContext) -> tuple[tuple[str, ...], list[int], bool, float, float]:

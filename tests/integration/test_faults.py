@@ -23,12 +23,12 @@ from ftdist.errors import (
     CommunicationError,
     ProcessGroupAbortedError,
 )
+from ftdist.launch.ranks import RankContext, Ranks, run_ranks
 from ftdist.process_group import (
     ErrorSwallowingProcessGroupWrapper,
     ProcessGroupBabyGloo,
     ProcessGroupGloo,
 )
-from ftdist.testing import RankContext, Ranks, run_ranks
 
 KINDS = ["gloo", "baby-gloo"]
 

@@ -15,8 +15,8 @@ from datetime import timedelta
 import grpc
 import pytest
 
+from ftdist._rpc._proto import torchft_pb2
 from ftdist.coordination import LighthouseClient, LighthouseEvent
-from ftdist.coordination._proto import torchft_pb2
 from ftdist.errors import CoordinationError, CoordinationTimeoutError
 from tests.integration.lighthouse_helpers import (
     TIMEOUT,

@@ -16,8 +16,8 @@ import grpc
 import pytest
 
 from ftdist import cli
-from ftdist.coordination._grpc_server import CompletionQueueServer, RpcCall
-from ftdist.coordination._proto import torchft_pb2
+from ftdist._rpc._proto import torchft_pb2
+from ftdist._rpc.cq_server import CompletionQueueServer, RpcCall
 from ftdist.errors import CoordinationError
 from tests.integration.lighthouse_helpers import (
     TIMEOUT,

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from ftdist.testing import run_ranks
+from ftdist.launch.ranks import run_ranks
 from tests.integration.ft_training import train
 
 

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 
+from ftdist.launch.ranks import RankContext, run_ranks
 from ftdist.manager import Manager
 from ftdist.process_group import ProcessGroupGloo
-from ftdist.testing import RankContext, run_ranks
 
 T = timedelta(seconds=10)
 pytestmark = pytest.mark.timeout(60)

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from ftdist.coordination import LighthouseServer
-from ftdist.coordination.manager_client import ManagerClient
-from ftdist.coordination.manager_server import ManagerServer
 from ftdist.errors import CoordinationError, CoordinationTimeoutError
+from ftdist.manager.client import ManagerClient
+from ftdist.manager.server import ManagerServer
 
 T = timedelta(seconds=5)
 pytestmark = pytest.mark.timeout(60)
@@ -135,10 +135,10 @@ def _serve_until_killed(ctx: Any, lighthouse: str) -> None:
 
 
 def test_kill_exits_the_server_process(lighthouse: LighthouseServer) -> None:
-    from ftdist.testing import Ranks
+    from ftdist.launch.ranks import Ranks
 
     with Ranks(_serve_until_killed, 1, args=(lighthouse.address(),)) as ranks:
-        from ftdist.testing import RankContext
+        from ftdist.launch.ranks import RankContext
 
         store = RankContext(0, 1, "127.0.0.1", ranks.store_port, ranks._prefix).store()
         address = store.get("addr").decode()

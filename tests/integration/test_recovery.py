@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from ftdist.coordination import LighthouseClient, LighthouseServer
-from ftdist.testing import Ranks
+from ftdist.launch.ranks import Ranks
 from tests.integration.ft_training import train
 from tests.integration.test_manager import assert_consistent
 

@@ -17,9 +17,11 @@ from contextlib import contextmanager
 import grpc
 import pytest
 
-from ftdist.coordination import LighthouseServer, _rpc, status_cli
-from ftdist.coordination._grpc_server import CompletionQueueServer, RpcCall
-from ftdist.coordination.status_cli import main, render
+from ftdist._rpc import common as _rpc
+from ftdist._rpc.cq_server import CompletionQueueServer, RpcCall
+from ftdist.cli import status as status_cli
+from ftdist.cli.status import main, render
+from ftdist.coordination import LighthouseServer
 from ftdist.errors import CoordinationError
 from tests.integration.lighthouse_helpers import (
     TIMEOUT,
@@ -31,7 +33,7 @@ from tests.integration.lighthouse_helpers import (
 
 pytestmark = pytest.mark.timeout(60)
 
-STATUS_CMD = [sys.executable, "-m", "ftdist.coordination.status_cli"]
+STATUS_CMD = [sys.executable, "-m", "ftdist.cli.status"]
 
 
 @contextmanager

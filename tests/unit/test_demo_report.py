@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from ftdist.demo import DemoOptions
+from ftdist.demo import DemoConfig
 from ftdist.demo.report import build_report, loss_curve, render_text, verdict
 from ftdist.demo.supervisor import ReplicaState, RunRecord
 from ftdist.demo.view import LiveView, progress_bar, table_rows
@@ -149,11 +149,11 @@ def test_terminal_view_redraws_in_place() -> None:
 ])
 def test_bad_options_name_the_value(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises((ValueError, TypeError), match=match):
-        DemoOptions(**kwargs)  # type: ignore[arg-type]
+        DemoConfig(**kwargs)  # type: ignore[arg-type]
 
 
 def test_one_replica_without_failures_is_fine() -> None:
-    assert DemoOptions(replicas=1, failures=False).replicas == 1
+    assert DemoConfig(replicas=1, failures=False).replicas == 1
 
 
 def test_cli_rejects_bad_options_before_starting(capsys: pytest.CaptureFixture[str]) -> None:
@@ -203,7 +203,7 @@ def test_terminal_view_clips_to_the_terminal(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_old_events_are_cleared_but_foreign_files_refuse(tmp_path: Any) -> None:
-    from ftdist.demo.cli import _clear_events
+    from ftdist.demo.run import _clear_events
 
     run = tmp_path / "events" / "run"
     run.mkdir(parents=True)
@@ -226,14 +226,14 @@ def test_old_events_are_cleared_but_foreign_files_refuse(tmp_path: Any) -> None:
 ])
 def test_out_of_range_options(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        DemoOptions(**kwargs)  # type: ignore[arg-type]
+        DemoConfig(**kwargs)  # type: ignore[arg-type]
 
 
 def test_out_must_not_be_a_file(tmp_path: Any) -> None:
     f = tmp_path / "file"
     f.write_text("x")
     with pytest.raises(ValueError, match="is a file"):
-        DemoOptions(out=str(f))
+        DemoConfig(out=str(f))
 
 
 def test_interrupted_report_says_so() -> None:

@@ -6,8 +6,8 @@ from datetime import timedelta
 
 import pytest
 
-from ftdist.coordination._rpc import grpc_target, to_seconds
-from ftdist.coordination.config import CLI_DEFAULTS, resolve_lighthouse_config
+from ftdist._rpc.common import grpc_target
+from ftdist.lighthouse.config import CLI_DEFAULTS, resolve_lighthouse_config
 
 
 def test_explicit_beats_environment_beats_default() -> None:
@@ -90,12 +90,3 @@ def test_addresses_accept_both_spellings(address: str, target: str) -> None:
 def test_bad_addresses_are_rejected(address: str) -> None:
     with pytest.raises(ValueError):
         grpc_target(address)
-
-
-def test_durations_take_timedelta_or_seconds() -> None:
-    assert to_seconds("t", timedelta(milliseconds=1500)) == 1.5
-    assert to_seconds("t", 2) == 2.0
-    with pytest.raises(ValueError):
-        to_seconds("t", 0)
-    with pytest.raises(TypeError):
-        to_seconds("t", "5")  # type: ignore[arg-type]

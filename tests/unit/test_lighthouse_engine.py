@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from ftdist.coordination._proto import ftdist_pb2, torchft_pb2
-from ftdist.coordination.engine import FormedQuorum, LighthouseEngine
-from ftdist.coordination.quorum import QuorumSettings
+from ftdist._rpc._proto import ftdist_pb2, torchft_pb2
+from ftdist.lighthouse.engine import FormedQuorum, LighthouseEngine
+from ftdist.lighthouse.quorum import QuorumConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -56,7 +56,7 @@ def member(rid: str, **kwargs: object) -> torchft_pb2.QuorumMember:
 def make(min_replicas: int = 1, join_timeout_s: float = 60.0) -> tuple[LighthouseEngine, FakeClock]:
     clock = FakeClock()
     engine = LighthouseEngine(
-        QuorumSettings(min_replicas=min_replicas, join_timeout_s=join_timeout_s,
+        QuorumConfig(min_replicas=min_replicas, join_timeout_s=join_timeout_s,
                        heartbeat_timeout_s=5.0),
         clock=clock,
         wall_clock=lambda: 1_700_000_000.5,
@@ -272,7 +272,7 @@ def _two_member_quorum() -> tuple[LighthouseEngine, FakeClock, Subscriber]:
 
 
 def test_a_lost_stream_that_stays_lost_is_a_failure_after_the_grace() -> None:
-    from ftdist.coordination.engine import STREAM_GRACE_S
+    from ftdist.lighthouse.engine import STREAM_GRACE_S
 
     engine, clock, sub = _two_member_quorum()
     engine.stream_closed("b")
@@ -288,7 +288,7 @@ def test_a_lost_stream_that_stays_lost_is_a_failure_after_the_grace() -> None:
 
 
 def test_a_stream_that_reconnects_within_the_grace_is_no_failure() -> None:
-    from ftdist.coordination.engine import STREAM_GRACE_S
+    from ftdist.lighthouse.engine import STREAM_GRACE_S
 
     engine, clock, sub = _two_member_quorum()
     engine.stream_opened("a")  # a second rank of replica a
@@ -305,7 +305,7 @@ def test_a_stream_that_reconnects_within_the_grace_is_no_failure() -> None:
 
 
 def test_lost_streams_of_non_members_and_anonymous_subscribers_are_ignored() -> None:
-    from ftdist.coordination.engine import STREAM_GRACE_S
+    from ftdist.lighthouse.engine import STREAM_GRACE_S
 
     engine, clock, sub = _two_member_quorum()
     engine.stream_opened("stranger")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from ftdist.coordination.manager_rule import compute_quorum_results
+from ftdist.manager.rule import compute_quorum_results
 
 
 @dataclass

@@ -6,11 +6,11 @@ from datetime import timedelta
 
 import pytest
 
-from ftdist.manager_settings import ManagerSettings
+from ftdist.manager.config import ManagerConfig
 
 
 def test_defaults() -> None:
-    s = ManagerSettings.resolve(env={})
+    s = ManagerConfig.resolve(env={})
     assert (s.timeout, s.quorum_timeout, s.connect_timeout) == (timedelta(seconds=60),) * 3
     assert (s.group_rank, s.group_world_size, s.port, s.quorum_retries) == (0, 1, 0, 0)
     assert s.lighthouse_addr is None and s.store_addr is None
@@ -22,12 +22,12 @@ def test_environment_beats_default_and_argument_beats_environment() -> None:
            "TORCHFT_QUORUM_TIMEOUT_SEC": "1", "TORCHFT_LIGHTHOUSE": "http://lh:1",
            "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "5",
            "TORCHFT_MANAGER_PORT": "1234"}
-    s = ManagerSettings.resolve(env=env)
+    s = ManagerConfig.resolve(env=env)
     assert s.timeout == timedelta(seconds=7)  # TORCHFT_ name accepted
     assert s.quorum_timeout == timedelta(seconds=9)  # FTDIST_ name wins
     assert (s.lighthouse_addr, s.group_rank, s.group_world_size) == ("http://lh:1", 1, 2)
     assert (s.store_addr, s.store_port, s.port) == ("h", 5, 1234)
-    s = ManagerSettings.resolve(timeout=timedelta(seconds=3), rank=0, lighthouse_addr="x:1",
+    s = ManagerConfig.resolve(timeout=timedelta(seconds=3), rank=0, lighthouse_addr="x:1",
                                 env=env)
     assert (s.timeout, s.group_rank, s.lighthouse_addr) == (timedelta(seconds=3), 0, "x:1")
 
@@ -48,4 +48,4 @@ def test_environment_beats_default_and_argument_beats_environment() -> None:
 )
 def test_bad_settings_name_the_value(kwargs: dict, env: dict, exc: type, needle: str) -> None:
     with pytest.raises(exc, match=needle):
-        ManagerSettings.resolve(env=env, **kwargs)
+        ManagerConfig.resolve(env=env, **kwargs)

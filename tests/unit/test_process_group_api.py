@@ -191,7 +191,7 @@ class _FakeManager:
     def allreduce(self, tensor: torch.Tensor, reduce_op: object = None) -> dist.Work:
         self.calls.append((float(tensor[0]), reduce_op))
         tensor.mul_(2)
-        return fpg.work._DummyWork(tensor)
+        return fpg.CompletedWork(tensor)
 
     def num_participants(self) -> int:
         return self.participants

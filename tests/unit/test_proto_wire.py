@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ftdist.coordination._proto import ftdist_pb2, torchft_pb2
+from ftdist._rpc._proto import ftdist_pb2, torchft_pb2
 
 # (message, {field name: number}) from torchft's proto, including the fields
 # its 2026 wheels added; ftdist's own extensions use numbers >= 100.

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from ftdist.coordination.quorum import (
+from ftdist.lighthouse.quorum import (
     LighthouseState,
     Participant,
+    QuorumConfig,
     QuorumDecision,
-    QuorumSettings,
     compute_quorum,
     next_quorum_id,
 )
@@ -35,8 +35,8 @@ class M:
     step: int = 0
 
 
-def settings(min_replicas: int = 1, join_timeout: float = HOUR) -> QuorumSettings:
-    return QuorumSettings(
+def settings(min_replicas: int = 1, join_timeout: float = HOUR) -> QuorumConfig:
+    return QuorumConfig(
         min_replicas=min_replicas,
         join_timeout_s=join_timeout,
         heartbeat_timeout_s=HEARTBEAT_TIMEOUT,
@@ -195,7 +195,7 @@ def test_quorum_id_bumps_on_membership_change(
 
 
 def reference_rule(
-    now: float, st: LighthouseState[M], opts: QuorumSettings
+    now: float, st: LighthouseState[M], opts: QuorumConfig
 ) -> tuple[list[str] | None, str]:
     healthy_replicas = {
         rid for rid, t in st.heartbeats.items() if now - t < opts.heartbeat_timeout_s
@@ -242,7 +242,7 @@ def reference_rule(
     return [c.replica_id for c in candidates], f"Valid quorum found {metadata}"
 
 
-def _check_against_reference(st: LighthouseState[M], opts: QuorumSettings) -> None:
+def _check_against_reference(st: LighthouseState[M], opts: QuorumConfig) -> None:
     decision = compute_quorum(NOW, st, opts)
     expected_ids, expected_reason = reference_rule(NOW, st, opts)
     assert (ids(decision), decision.reason) == (expected_ids, expected_reason), st
@@ -401,4 +401,4 @@ def test_join_timeout_counts_from_first_healthy_participant() -> None:
 )
 def test_settings_reject_invalid_values(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
-        QuorumSettings(**kwargs)  # type: ignore[arg-type]
+        QuorumConfig(**kwargs)  # type: ignore[arg-type]

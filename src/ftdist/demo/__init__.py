@@ -14,9 +14,9 @@ Modules: :mod:`~ftdist.demo.task` (data and model), :mod:`~ftdist.demo.worker`
 (one replica group), :mod:`~ftdist.demo.schedule` (the failure plan and
 rule), :mod:`~ftdist.demo.supervisor` (processes and failures),
 :mod:`~ftdist.demo.view`, :mod:`~ftdist.demo.report`,
-:mod:`~ftdist.demo.plot` and :mod:`~ftdist.demo.cli` (``ftdist demo``).
+:mod:`~ftdist.demo.plot` and :mod:`~ftdist.demo.run` (``ftdist demo``).
 """
 
-from ftdist.demo.cli import DemoOptions, run_demo
+from ftdist.demo.run import DemoConfig, run_demo
 
-__all__ = ["DemoOptions", "run_demo"]
+__all__ = ["DemoConfig", "run_demo"]

@@ -27,7 +27,7 @@ from typing import Any
 
 from ftdist.demo import schedule
 from ftdist.demo.worker import STOP_KEY, WorkerConfig, replica_main
-from ftdist.testing import Ranks
+from ftdist.launch.ranks import Ranks
 
 POLL_S = 0.1
 # Stop this many seconds of steps past the newest step seen: replicas run

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ftdist.demo import task
-from ftdist.testing import RankContext
+from ftdist.launch.ranks import RankContext
 
 STOP_KEY = "stop_step"
 DONE_KEY = "done"

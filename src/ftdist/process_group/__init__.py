@@ -28,14 +28,14 @@ from ftdist.process_group.base import ProcessGroup
 from ftdist.process_group.device_mesh import extend_device_mesh
 from ftdist.process_group.dummy import ProcessGroupDummy
 from ftdist.process_group.error_swallowing import ErrorSwallowingProcessGroupWrapper
+from ftdist.process_group.gloo import ProcessGroupGloo
 from ftdist.process_group.managed import ManagedProcessGroup
-from ftdist.process_group.wrapper import (
-    ProcessGroupGloo,
-    ProcessGroupNCCL,
-    ProcessGroupWrapper,
-)
+from ftdist.process_group.nccl import ProcessGroupNCCL
+from ftdist.process_group.work import CompletedWork
+from ftdist.process_group.wrapper import ProcessGroupWrapper
 
 __all__ = [
+    "CompletedWork",
     "ErrorSwallowingProcessGroupWrapper",
     "ManagedProcessGroup",
     "ProcessGroup",

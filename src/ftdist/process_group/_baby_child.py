@@ -26,8 +26,11 @@ import torch
 
 from ftdist.process_group._shm import Importer
 from ftdist.process_group._store import create_store_client
-from ftdist.process_group.backends import CREATORS
+from ftdist.process_group.gloo import create_gloo_backend
+from ftdist.process_group.nccl import create_nccl_backend
 from ftdist.process_group.work import on_complete
+
+_BACKENDS = {"gloo": create_gloo_backend, "nccl": create_nccl_backend}
 
 
 def child_main(conn: Connection) -> None:
@@ -54,7 +57,7 @@ def _configure(conn: Connection, kind: str, store_addr: str, rank: int, world_si
         if device is not None:
             torch.cuda.set_device(device)
         store = create_store_client(store_addr, timeout=timeout)
-        backend = CREATORS[kind](store, rank, world_size, timeout)
+        backend = _BACKENDS[kind](store, rank, world_size, timeout)
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return None

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ftdist._mp import forkserver_context
+from ftdist._durations import as_timedelta
+from ftdist._forkserver import forkserver_context
 from ftdist.errors import (
     BackendProcessError,
     CollectiveTimeoutError,
@@ -37,8 +38,7 @@ from ftdist.errors import (
 from ftdist.process_group._baby_child import child_main
 from ftdist.process_group._shm import Exporter
 from ftdist.process_group.base import BACKEND_NAME, Post, ProcessGroup
-from ftdist.process_group.work import WAIT_MARGIN, FtWork, Generation, _SettableOnce
-from ftdist.process_group.wrapper import _as_timedelta, _WorkList
+from ftdist.process_group.work import WAIT_MARGIN, FtWork, Generation, WorkList, _SettableOnce
 
 logger = logging.getLogger(__name__)
 
@@ -306,7 +306,7 @@ class ProcessGroupBaby(ProcessGroup):
 
     def __init__(self, timeout: timedelta | float = 60.0) -> None:
         super().__init__()
-        self._timeout = _as_timedelta(timeout)
+        self._timeout = as_timedelta(timeout, "timeout")
         self._child: _Child | None = None
         self._spares = _SparePool()
         self._error: Exception | None = None
@@ -388,7 +388,7 @@ class ProcessGroupBaby(ProcessGroup):
 
     def set_timeout(self, timeout: timedelta) -> None:
         """Use ``timeout`` from the next configure on."""
-        self._timeout = _as_timedelta(timeout)
+        self._timeout = as_timedelta(timeout, "timeout")
 
     def getBackendName(self) -> str:
         """``"ftdist-baby-<backend>"``."""
@@ -410,7 +410,7 @@ class ProcessGroupBaby(ProcessGroup):
         child = self._live_child()
         works = [child.submit(BACKEND_NAME.get(op, op), args, op, None) for args in calls]
         gen = Generation(child.describe(), self._timeout)
-        return FtWork(_WorkList(works), gen, op, post)
+        return FtWork(WorkList(works), gen, op, post)
 
 
 class ProcessGroupBabyGloo(ProcessGroupBaby):

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ftdist.process_group.base import Post, ProcessGroup
-from ftdist.process_group.work import _DummyWork
+from ftdist.process_group.work import CompletedWork
 
 
 def _copy(dst: Any, src: Any) -> None:
@@ -74,12 +74,12 @@ class ProcessGroupDummy(ProcessGroup):
             elif op == "gather":
                 out = out[0] if out else inp
             _copy(out, inp)
-            return _DummyWork(out)
+            return CompletedWork(out)
         if op in ("send", "recv", "recv_anysource"):
             raise RuntimeError(f"ProcessGroupDummy has no peer to {op} with")
-        return _DummyWork(args[0] if args else None)
+        return CompletedWork(args[0] if args else None)
 
     def _collective_many(self, op: str, calls: list[tuple[Any, ...]], post: Post = None) -> dist.Work:
         for args in calls:
             self._collective(op, args)
-        return _DummyWork([c[0] for c in calls])
+        return CompletedWork([c[0] for c in calls])

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ftdist.process_group.base import Post, ProcessGroup
-from ftdist.process_group.work import _DummyWork
+from ftdist.process_group.work import CompletedWork
 from ftdist.process_group.wrapper import ProcessGroupWrapper
 
 
@@ -106,21 +106,21 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
     def _collective(self, op: str, args: tuple[Any, ...], post: Post = None) -> dist.Work:
         default = args[0] if args else None
         if self._swallowed is not None:
-            return _DummyWork(default)
+            return CompletedWork(default)
         try:
             work = super()._collective(op, args, post)
         except Exception as exc:
             self.report_error(exc)
-            return _DummyWork(default)
+            return CompletedWork(default)
         return _ErrorSwallowingWork(self, work, default)
 
     def _collective_many(self, op: str, calls: list[tuple[Any, ...]], post: Post = None) -> dist.Work:
         default = [c[0] for c in calls]
         if self._swallowed is not None:
-            return _DummyWork(default)
+            return CompletedWork(default)
         try:
             work = super()._collective_many(op, calls, post)
         except Exception as exc:
             self.report_error(exc)
-            return _DummyWork(default)
+            return CompletedWork(default)
         return _ErrorSwallowingWork(self, work, default)

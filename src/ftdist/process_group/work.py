@@ -62,8 +62,12 @@ def completed_future(value: Any) -> torch.futures.Future:
     return fut
 
 
-class _DummyWork(dist._Work):
-    """Work that is already complete with ``result`` (used when nothing runs)."""
+class CompletedWork(dist._Work):
+    """Work that is already complete with ``result``.
+
+    What an op returns when nothing needs to run: a group of one, an op
+    swallowed after an error, a Manager step that already failed.
+    """
 
     def __init__(self, result: Any) -> None:
         super().__init__()
@@ -84,6 +88,44 @@ class _DummyWork(dist._Work):
 
     def get_future(self) -> torch.futures.Future:
         return self._fut
+
+
+class WorkList:
+    """Several backend works seen as one (for the coalesced collectives)."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self._works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for w in self._works:
+            if timeout is None:
+                w.wait()
+            else:
+                w.wait(timeout)
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return torch.futures.collect_all([w.get_future() for w in self._works])
+
+    def exception(self) -> Any:
+        for w in self._works:
+            if w.exception() is not None:
+                return w.exception()
+        return None
+
+    def result(self) -> list[Any]:
+        return [w.result() for w in self._works]
+
+    def source_rank(self) -> int:
+        raise RuntimeError("source_rank() is only defined for recv_anysource work")
+
+    def synchronize(self) -> None:
+        for w in self._works:
+            w.synchronize()
+
 
 
 class Generation:

@@ -1,6 +1,6 @@
 """
-In-process reconfigurable groups: Gloo and NCCL
-===============================================
+In-process reconfigurable groups
+================================
 
 :class:`ProcessGroupWrapper` owns one backend at a time and rebuilds it on
 every :meth:`~ProcessGroupWrapper.configure`. Each backend lifetime is a
@@ -22,32 +22,19 @@ import time
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup as BaseProcessGroup
 
+from ftdist._durations import as_timedelta
 from ftdist.errors import ProcessGroupAbortedError
 from ftdist.process_group._store import StoreClients
-from ftdist.process_group.backends import create_gloo_backend, create_nccl_backend
 from ftdist.process_group.base import BACKEND_NAME, Post, ProcessGroup
-from ftdist.process_group.work import WAIT_MARGIN, FtWork, Generation, _DummyWork
+from ftdist.process_group.work import WAIT_MARGIN, CompletedWork, FtWork, Generation, WorkList
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = timedelta(seconds=60)
-
-
-def _as_timedelta(timeout: timedelta | float | int, name: str = "timeout") -> timedelta:
-    if isinstance(timeout, timedelta):
-        td = timeout
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        td = timedelta(seconds=float(timeout))
-    else:
-        raise TypeError(f"{name} must be a datetime.timedelta or seconds, got {timeout!r}")
-    if td <= timedelta(0):
-        raise ValueError(f"{name} must be positive, got {td}")
-    return td
 
 
 class _Graveyard:
@@ -89,43 +76,6 @@ class _Graveyard:
 GRAVEYARD = _Graveyard()
 
 
-class _WorkList:
-    """Several backend works seen as one (for the coalesced collectives)."""
-
-    def __init__(self, works: list[Any]) -> None:
-        self._works = works
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._works)
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        for w in self._works:
-            if timeout is None:
-                w.wait()
-            else:
-                w.wait(timeout)
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        return torch.futures.collect_all([w.get_future() for w in self._works])
-
-    def exception(self) -> Any:
-        for w in self._works:
-            if w.exception() is not None:
-                return w.exception()
-        return None
-
-    def result(self) -> list[Any]:
-        return [w.result() for w in self._works]
-
-    def source_rank(self) -> int:
-        raise RuntimeError("source_rank() is only defined for recv_anysource work")
-
-    def synchronize(self) -> None:
-        for w in self._works:
-            w.synchronize()
-
-
 class ProcessGroupWrapper(ProcessGroup):
     """A reconfigurable group around a backend created anew on each configure.
 
@@ -145,7 +95,7 @@ class ProcessGroupWrapper(ProcessGroup):
         if pg is not None and not isinstance(pg, (BaseProcessGroup, c10d.Backend)):
             raise TypeError(f"pg must be a torch.distributed.ProcessGroup (or Backend), got "
                             f"{type(pg).__name__}")
-        self._timeout = _as_timedelta(timeout)
+        self._timeout = as_timedelta(timeout, "timeout")
         self._pg: Any = pg
         self._gen: Generation | None = None
         self._error: Exception | None = None
@@ -281,7 +231,7 @@ class ProcessGroupWrapper(ProcessGroup):
 
     def set_timeout(self, timeout: timedelta) -> None:
         """Use ``timeout`` for backends created by later configures."""
-        self._timeout = _as_timedelta(timeout)
+        self._timeout = as_timedelta(timeout, "timeout")
 
     # -- the hook ---------------------------------------------------------------------
     def _collective(self, op: str, args: tuple[Any, ...], post: Post = None) -> dist.Work:
@@ -298,7 +248,7 @@ class ProcessGroupWrapper(ProcessGroup):
             raise RuntimeError(f"{self.getBackendName()} does not support {op}")
         work = fn(*args)
         if work is None:  # monitored_barrier blocks and returns nothing
-            return _DummyWork(None)
+            return CompletedWork(None)
         return self._wrap(work, gen, op, post)
 
     def _collective_many(self, op: str, calls: list[tuple[Any, ...]], post: Post = None) -> dist.Work:
@@ -308,108 +258,10 @@ class ProcessGroupWrapper(ProcessGroup):
         gen = self._gen
         assert gen is not None
         fn = getattr(pg, BACKEND_NAME.get(op, op))
-        return self._wrap(_WorkList([fn(*args) for args in calls]), gen, op, post)
+        return self._wrap(WorkList([fn(*args) for args in calls]), gen, op, post)
 
     def _wrap(self, work: Any, gen: Generation, op: str, post: Post) -> dist.Work:
         return FtWork(work, gen, op, post)
 
 
-class ProcessGroupGloo(ProcessGroupWrapper):
-    """A reconfigurable Gloo group.
-
-    Args:
-        timeout: the collective timeout; a dead or stopped peer makes waits
-            raise within it (plus a small margin).
-
-    Raises:
-        TypeError: ``timeout`` is not a timedelta or a number of seconds.
-        ValueError: ``timeout`` is not positive.
-    """
-
-    def __init__(self, timeout: timedelta | float = DEFAULT_TIMEOUT) -> None:
-        super().__init__(timeout=timeout)
-
-    def getBackendName(self) -> str:
-        """``"ftdist-gloo"``."""
-        return "ftdist-gloo"
-
-    def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> BaseProcessGroup:
-        return create_gloo_backend(store, rank, world_size, self._timeout)
-
-
-class ProcessGroupNCCL(ProcessGroupWrapper):
-    """A reconfigurable NCCL group.
-
-    Reconfiguring aborts the old communicator (``ncclCommAbort``), which
-    unblocks kernels waiting on a dead peer. Work waits only block the current
-    CUDA stream, as with torch's NCCL group; a watchdog aborts the
-    communicator when a wait exceeds the timeout.
-
-    Args:
-        pg: an existing group to wrap instead of creating NCCL communicators.
-        timeout: the collective timeout.
-
-    Raises:
-        RuntimeError: at configure, if CUDA or NCCL is unavailable.
-    """
-
-    def __init__(self, pg: BaseProcessGroup | None = None,
-                 timeout: timedelta | float = DEFAULT_TIMEOUT) -> None:
-        super().__init__(pg=pg, timeout=timeout)
-
-    def getBackendName(self) -> str:
-        """``"ftdist-nccl"``."""
-        return "ftdist-nccl"
-
-    def _native_avg(self) -> bool:
-        return True
-
-    def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> BaseProcessGroup:
-        return create_nccl_backend(store, rank, world_size, self._timeout)
-
-    def _wrap(self, work: Any, gen: Generation, op: str, post: Post) -> dist.Work:
-        return _NCCLWork(work, gen, op, post)
-
-    def abort(self) -> None:
-        """Abort the communicator (``ncclCommAbort``) so stuck kernels exit; configure to resume."""
-        backend = self._pg
-        super().abort()
-        if not isinstance(backend, ProcessGroup) and not self._static:
-            _abort_communicator(backend)
-
-    def _bury(self, backend: Any) -> None:
-        _abort_communicator(backend)
-        super()._bury(backend)
-
-
-def _abort_communicator(backend: Any) -> None:
-    # ncclCommAbort is what unblocks kernels stuck on a dead peer; unlike
-    # Gloo's abort it does not wait for the op to finish.
-    if backend is None:
-        return
-    try:
-        backend.abort()
-    except Exception:
-        logger.warning("NCCL abort failed", exc_info=True)
-
-
-class _NCCLWork(FtWork):
-    """NCCL work: ``wait`` orders the current stream, as torch's does.
-
-    It does not block the CPU, so there is nothing to time out here: a hung
-    communicator is aborted by NCCL's own watchdog (the group's timeout) or
-    by the Manager on failure news, via :meth:`ProcessGroupNCCL.abort`.
-    """
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        if self._gen.error is not None:
-            raise self._gen.error
-        try:
-            ok = bool(self._inner.wait(timeout) if timeout else self._inner.wait())
-        except Exception as exc:
-            raise self._fail(exc) from exc
-        self._run_post()
-        return ok
-
-
-__all__ = ["GRAVEYARD", "ProcessGroupGloo", "ProcessGroupNCCL", "ProcessGroupWrapper"]
+__all__ = ["GRAVEYARD", "ProcessGroupWrapper"]

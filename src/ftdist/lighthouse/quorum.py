@@ -42,9 +42,9 @@ __all__ = [
     "LighthouseState",
     "MemberLike",
     "Participant",
+    "QuorumConfig",
     "QuorumDecision",
     "QuorumIdDecision",
-    "QuorumSettings",
     "compute_quorum",
     "next_quorum_id",
 ]
@@ -73,7 +73,7 @@ M = TypeVar("M", bound=MemberLike)
 
 
 @dataclass(frozen=True, slots=True)
-class QuorumSettings:
+class QuorumConfig:
     """The knobs of the rule.
 
     Attributes:
@@ -179,7 +179,7 @@ def _sorted_members(participants: Iterable[Participant[M]]) -> list[M]:
 
 
 def compute_quorum(
-    now: float, state: LighthouseState[M], settings: QuorumSettings
+    now: float, state: LighthouseState[M], settings: QuorumConfig
 ) -> QuorumDecision[M]:
     """Decide whether a quorum can form now and with whom.
 

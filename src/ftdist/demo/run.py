@@ -1,8 +1,8 @@
 """
-``ftdist demo``
-===============
+Running the demo
+================
 
-Parses the options, starts (or joins) the lighthouse, runs the failure run
+:func:`run_demo` takes a :class:`DemoConfig` (``ftdist demo``'s flags), starts (or joins) the lighthouse, runs the failure run
 and optionally the baseline through :class:`~ftdist.demo.supervisor.Supervisor`,
 then writes ``report.json`` and ``report.png`` and prints the report.
 
@@ -12,7 +12,6 @@ ended the demo (the report is written all the same).
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import logging
@@ -32,7 +31,7 @@ from ftdist.demo.view import LiveView
 if TYPE_CHECKING:
     from ftdist.demo.supervisor import RunRecord
 
-__all__ = ["DemoOptions", "register", "run_demo"]
+__all__ = ["DemoConfig", "run_demo"]
 
 # The embedded lighthouse declares a replica group dead after this much
 # silence: short, so that a SIGSTOPped group drops out within seconds, but
@@ -49,7 +48,7 @@ EVENTS_DIR = "events"
 
 
 @dataclass(frozen=True)
-class DemoOptions:
+class DemoConfig:
     """The demo's options (the CLI flags).
 
     Attributes:
@@ -105,62 +104,6 @@ class DemoOptions:
                              "http://host:port")
 
 
-def register(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``demo`` subcommand to the ``ftdist`` parser.
-
-    Raises:
-        Nothing.
-    """
-    d = DemoOptions()
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        "demo", help="run the fault-tolerance demo: training with injected failures",
-        description="Train a small model on several replica groups while killing and hanging "
-                    "them on a seeded schedule; report whether every replica ended with "
-                    "bit-identical weights.")
-    parser.add_argument("--replicas", type=int, default=d.replicas,
-                        help=f"replica groups (processes) to run (default {d.replicas})")
-    parser.add_argument("--duration", type=float, default=d.duration_s, metavar="SECONDS",
-                        help=f"training time before the run ends (default {d.duration_s:g})")
-    parser.add_argument("--kill-every", type=float, default=d.kill_every_s, metavar="SECONDS",
-                        help=f"mean time between injected failures (default {d.kill_every_s:g})")
-    parser.add_argument("--seed", type=int, default=d.seed,
-                        help="seeds the data, the weights and the failure plan (default 0)")
-    parser.add_argument("--no-failures", action="store_true",
-                        help="inject no failures (a plain fault-tolerant training run)")
-    parser.add_argument("--baseline", action="store_true",
-                        help="also run the same job without failures and compare the loss")
-    parser.add_argument("--out", default=d.out, metavar="DIR",
-                        help=f"where report.json, report.png and events go (default {d.out})")
-    parser.add_argument("--lighthouse", default=None, metavar="ADDR",
-                        help="join this lighthouse instead of embedding one")
-    parser.add_argument("--plain", action="store_true",
-                        help="plain line-by-line output even on a terminal")
-    parser.set_defaults(handler=_handle)
-    return parser
-
-
-def _handle(args: argparse.Namespace) -> int:
-    try:
-        opts = DemoOptions(replicas=args.replicas, duration_s=args.duration,
-                           kill_every_s=args.kill_every, seed=args.seed,
-                           failures=not args.no_failures, baseline=args.baseline,
-                           out=args.out, lighthouse=args.lighthouse, plain=args.plain)
-    except (TypeError, ValueError) as exc:
-        print(f"ftdist demo: {exc}", file=sys.stderr)
-        return 2
-    from ftdist.errors import CoordinationError
-
-    try:
-        return run_demo(opts)
-    except ValueError as exc:
-        print(f"ftdist demo: {exc}", file=sys.stderr)
-        return 2
-    except CoordinationError as exc:
-        print(f"ftdist demo: {exc}\nStart one with `ftdist lighthouse`, or leave out "
-              "--lighthouse to embed one.", file=sys.stderr)
-        return 2
-
-
 def _machine() -> dict[str, Any]:
     import torch
 
@@ -171,10 +114,10 @@ def _machine() -> dict[str, Any]:
             "cpus": os.cpu_count()}
 
 
-def _start_lighthouse(opts: DemoOptions, view: LiveView
+def _start_lighthouse(opts: DemoConfig, view: LiveView
                       ) -> tuple[Any, str, str | None, float]:
     from ftdist.coordination import LighthouseServer
-    from ftdist.coordination.lighthouse_client import LighthouseClient
+    from ftdist.lighthouse.client import LighthouseClient
 
     if opts.lighthouse is not None:
         # Fail before any process starts when the address is wrong.
@@ -236,7 +179,7 @@ def _log_to(path: str) -> logging.Handler:
     return handler
 
 
-def run_demo(opts: DemoOptions, stream: TextIO | None = None) -> int:
+def run_demo(opts: DemoConfig, stream: TextIO | None = None) -> int:
     """Run the demo; see the module docstring.
 
     Args:

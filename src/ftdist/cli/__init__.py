@@ -2,14 +2,16 @@
 Command line
 ============
 
-``ftdist`` is one console script with a subcommand per tool. Each subcommand
-lives in the module of its concept and registers itself here.
+``ftdist`` is one console script with a subcommand per tool; each lives in a
+module of this package and registers itself here: ``lighthouse``
+(:mod:`~ftdist.cli.lighthouse`), ``status`` (:mod:`~ftdist.cli.status`) and
+``demo`` (:mod:`~ftdist.cli.demo`). Nothing here imports torch until a
+subcommand needs it.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 
 
@@ -21,13 +23,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    # Subcommands register here as their issues land (lighthouse, status, demo).
-    from ftdist.coordination import lighthouse_cli, status_cli
-    from ftdist.demo import cli as demo_cli
+    from ftdist.cli import demo, lighthouse, status
 
-    lighthouse_cli.register(sub)
-    status_cli.register(sub)
-    demo_cli.register(sub)
+    lighthouse.register(sub)
+    status.register(sub)
+    demo.register(sub)
     return parser
 
 
@@ -45,6 +45,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     return int(handler(args) or 0)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from ftdist._mp import forkserver_context as _context
+from ftdist._forkserver import forkserver_context as _context
 
 
 @dataclass(frozen=True)

@@ -17,15 +17,15 @@ and, at each step, asks it which replica groups train together (the quorum).
   the dashboard's status document (``ftdist status``), so a terminal needs
   only the gRPC address, not the dashboard port.
 
-and, on a second port, the dashboard of :mod:`ftdist.coordination.dashboard`.
+and, on a second port, the dashboard of :mod:`ftdist.lighthouse.dashboard`.
 
 Deviation from torchft: torchft serves gRPC and the dashboard on the same port;
 grpcio owns its listening socket, so the dashboard has its own port
 (``http_port``) here.
 
 The gRPC callbacks, the periodic tick and the engine
-(:mod:`ftdist.coordination.engine`) all run on one thread named
-``ftdist-lighthouse`` (:mod:`ftdist.coordination._grpc_server`), so the state
+(:mod:`ftdist.lighthouse.engine`) all run on one thread named
+``ftdist-lighthouse`` (:mod:`ftdist._rpc.cq_server`), so the state
 needs no locks; the dashboard's threads read it by scheduling work there. The constructor returns once the server is serving, and
 :meth:`LighthouseServer.shutdown` stops and joins everything it started.
 Requests that fail validation get ``INVALID_ARGUMENT`` naming the field, and
@@ -45,17 +45,19 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from ftdist.coordination import _rpc
-from ftdist.coordination._grpc_server import CompletionQueueServer, RpcCall
-from ftdist.coordination._proto import ftdist_pb2, torchft_pb2
-from ftdist.coordination.config import LighthouseConfig, resolve_lighthouse_config
-from ftdist.coordination.dashboard import DashboardServer, build_status
-from ftdist.coordination.engine import FormedQuorum, LighthouseEngine
-from ftdist.coordination.quorum import QuorumSettings
+from ftdist._rpc import common as _rpc
+from ftdist._rpc._proto import ftdist_pb2, torchft_pb2
+from ftdist._rpc.cq_server import CompletionQueueServer, RpcCall
+from ftdist.lighthouse.config import LighthouseConfig, resolve_lighthouse_config
+from ftdist.lighthouse.dashboard import DashboardServer
+from ftdist.lighthouse.engine import FormedQuorum, LighthouseEngine
+from ftdist.lighthouse.quorum import QuorumConfig
+from ftdist.lighthouse.status import build_status
+from ftdist.manager.client import kill_manager
 
 __all__ = ["LighthouseServer"]
 
-logger = logging.getLogger("ftdist.coordination.lighthouse")
+logger = logging.getLogger("ftdist.lighthouse.server")
 
 _MAX_FIELD_BYTES = 4096
 _MAX_HANDLES_BYTES = 1024 * 1024
@@ -168,7 +170,7 @@ class LighthouseServer:
 
     The timeouts also accept a ``timedelta``. Settings left as None come from
     ``FTDIST_LIGHTHOUSE_*`` environment variables, then the defaults
-    (:mod:`ftdist.coordination.config`).
+    (:mod:`ftdist.lighthouse.config`).
 
     Raises:
         ValueError: if a setting is invalid.
@@ -200,7 +202,7 @@ class LighthouseServer:
         self.config = config
         self._host, _ = _split_bind(config.bind)
         self._engine = LighthouseEngine(
-            QuorumSettings(
+            QuorumConfig(
                 min_replicas=config.min_replicas,
                 join_timeout_s=config.join_timeout.total_seconds(),
                 heartbeat_timeout_s=config.heartbeat_timeout.total_seconds(),
@@ -335,7 +337,7 @@ class LighthouseServer:
         if address is None:
             raise LookupError(f"replica {replica_id!r} is not in the current quorum")
         logger.warning("Killing replica %s (manager %s) from the dashboard", replica_id, address)
-        _rpc.kill_manager(address, "killed from dashboard", timeout=timedelta(seconds=10))
+        kill_manager(address, "killed from dashboard", timeout=timedelta(seconds=10))
         return str(address)
 
     # -- RPC handlers (on the server thread) ----------------------------------

@@ -7,7 +7,7 @@ torchft's ``torchft.ManagerService`` to every rank of the group:
 
 - ``Quorum``: gathers one request per group rank, makes one lighthouse call
   for the whole group, and answers each rank with its part of the result
-  (:func:`~ftdist.coordination.manager_rule.compute_quorum_results`).
+  (:func:`~ftdist.manager.rule.compute_quorum_results`).
 - ``ShouldCommit``: an AND of every group rank's vote.
 - ``CheckpointMetadata``: where a healing peer fetches a group rank's state.
 - ``Kill``: exits the process.
@@ -35,11 +35,11 @@ from typing import Any
 
 import grpc
 
-from ftdist.coordination import _rpc
-from ftdist.coordination._proto import torchft_pb2
-from ftdist.coordination.lighthouse_client import LighthouseClient
-from ftdist.coordination.manager_rule import compute_quorum_results, find_divergence
-from ftdist.coordination.types import Quorum
+from ftdist._rpc import common as _rpc
+from ftdist._rpc._proto import torchft_pb2
+from ftdist.lighthouse.client import LighthouseClient
+from ftdist.lighthouse.types import Quorum
+from ftdist.manager.rule import compute_quorum_results, find_divergence
 
 logger = logging.getLogger(__name__)
 

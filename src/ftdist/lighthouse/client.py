@@ -40,10 +40,11 @@ from typing import Any
 
 import grpc
 
-from ftdist.coordination import _rpc
-from ftdist.coordination._proto import ftdist_pb2, torchft_pb2
-from ftdist.coordination.types import LighthouseEvent, Quorum
+from ftdist._durations import to_seconds
+from ftdist._rpc import common as _rpc
+from ftdist._rpc._proto import ftdist_pb2, torchft_pb2
 from ftdist.errors import CoordinationError, CoordinationTimeoutError
+from ftdist.lighthouse.types import LighthouseEvent, Quorum
 
 __all__ = ["LighthouseClient", "LighthouseEventStream"]
 
@@ -118,7 +119,7 @@ class LighthouseClient:
             if isinstance(connect_timeout, timedelta)
             else timedelta(seconds=connect_timeout)
         )
-        self._connect_s = _rpc.to_seconds("connect_timeout", connect_timeout)
+        self._connect_s = to_seconds(connect_timeout, "connect_timeout")
         self._target = _rpc.grpc_target(addr)
         self._channel = grpc.insecure_channel(self._target, options=_rpc.client_channel_options())
         self._lock = threading.Lock()
@@ -219,7 +220,7 @@ class LighthouseClient:
         step = step or 0
         if step < 0:
             raise ValueError(f"step ({step}) must not be negative.")
-        timeout_s = _rpc.to_seconds("timeout", timeout)
+        timeout_s = to_seconds(timeout, "timeout")
         encoded = "" if data is None else json.dumps(data)
         request = torchft_pb2.LighthouseQuorumRequest(
             requester=torchft_pb2.QuorumMember(
@@ -253,7 +254,7 @@ class LighthouseClient:
         """
         if not replica_id:
             raise ValueError("replica_id must not be empty.")
-        timeout_s = _rpc.to_seconds("timeout", timeout)
+        timeout_s = to_seconds(timeout, "timeout")
         request = torchft_pb2.LighthouseHeartbeatRequest(replica_id=replica_id)
         self._call(self._heartbeat_rpc, request, timeout_s, "Heartbeat")
 
@@ -277,7 +278,7 @@ class LighthouseClient:
         """Fetch the lighthouse's status document (ftdist lighthouses only).
 
         The document is the one the dashboard serves at ``/status.json``
-        (:func:`ftdist.coordination.dashboard.build_status`): the current
+        (:func:`ftdist.lighthouse.status.build_status`): the current
         quorum and its members, parked requests, heartbeat ages and why the
         next quorum is or is not ready. Newer lighthouses may add keys.
 
@@ -295,7 +296,7 @@ class LighthouseClient:
                 serve ``Status`` (torchft's lighthouse, an older ftdist), or
                 answered with something that is not a JSON object.
         """
-        timeout_s = _rpc.to_seconds("timeout", timeout)
+        timeout_s = to_seconds(timeout, "timeout")
         try:
             response = self._call(self._status_rpc, ftdist_pb2.StatusRequest(), timeout_s, "Status")
         except CoordinationError as exc:

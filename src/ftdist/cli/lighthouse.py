@@ -18,8 +18,8 @@ import threading
 from types import FrameType
 from typing import Any
 
-from ftdist.coordination.config import CLI_DEFAULTS, ENV_VARS, resolve_lighthouse_config
-from ftdist.coordination.lighthouse import LighthouseServer
+from ftdist.lighthouse.config import CLI_DEFAULTS, ENV_VARS, resolve_lighthouse_config
+from ftdist.lighthouse.server import LighthouseServer
 
 __all__ = ["register", "run"]
 
@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        logging.getLogger("ftdist.coordination.lighthouse").info(
+        logging.getLogger("ftdist.lighthouse.server").info(
             "Received %s, stopping", signal.Signals(signum).name
         )
         stop.set()

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ftdist.coordination._proto import ftdist_pb2, torchft_pb2
+from ftdist._rpc._proto import ftdist_pb2, torchft_pb2
 
 __all__ = ["LighthouseEvent", "Quorum", "QuorumMember", "Timestamp"]
 

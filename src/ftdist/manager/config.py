@@ -79,7 +79,7 @@ def _int(name: str, value: Any, env: Mapping[str, str], env_names: tuple[str, ..
 
 
 @dataclass(frozen=True)
-class ManagerSettings:
+class ManagerConfig:
     """The resolved settings of one Manager (see the module table)."""
 
     timeout: timedelta
@@ -112,7 +112,7 @@ class ManagerSettings:
         hostname: str | None = None,
         heartbeat_interval: Any = None,
         env: Mapping[str, str] | None = None,
-    ) -> ManagerSettings:
+    ) -> ManagerConfig:
         """Resolve every setting: argument > environment > default.
 
         Raises:

@@ -11,13 +11,8 @@ grpcio version that generated them, and the servers need raw-bytes handlers
 
 from __future__ import annotations
 
-import queue
-import time
-from datetime import timedelta
-
 import grpc
 
-from ftdist.coordination._proto import torchft_pb2
 from ftdist.errors import CoordinationError, CoordinationTimeoutError
 
 __all__ = [
@@ -31,10 +26,8 @@ __all__ = [
     "MANAGER_SHOULD_COMMIT",
     "client_channel_options",
     "grpc_target",
-    "kill_manager",
     "map_rpc_error",
     "server_options",
-    "to_seconds",
 ]
 
 LIGHTHOUSE_SERVICE = "torchft.LighthouseService"
@@ -77,31 +70,6 @@ def grpc_target(address: str) -> str:
     if not sep or not host or not port.isdigit():
         raise ValueError(f"address {address!r} must be host:port or http://host:port.")
     return target
-
-
-def to_seconds(name: str, value: timedelta | float | int) -> float:
-    """Read a duration given as a timedelta or as seconds.
-
-    Args:
-        name: the parameter's name, for the error message.
-        value: the duration.
-
-    Returns:
-        The duration in seconds.
-
-    Raises:
-        ValueError: if it is not positive.
-        TypeError: if it is neither a timedelta nor a number.
-    """
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    else:
-        raise TypeError(f"{name} must be a timedelta or seconds, got {type(value).__name__}.")
-    if seconds <= 0:
-        raise ValueError(f"{name} ({value}) must be positive.")
-    return seconds
 
 
 def client_channel_options() -> list[tuple[str, int]]:
@@ -186,58 +154,3 @@ def map_rpc_error(exc: grpc.RpcError, what: str) -> Exception:
     if code is grpc.StatusCode.UNAVAILABLE:
         return CoordinationError(f"{what} failed, server unavailable: {details}")
     return CoordinationError(f"{what} failed: {name}: {details}")
-
-
-def kill_manager(address: str, msg: str, timeout: timedelta | float) -> None:
-    """Ask a replica group's ManagerServer to exit, via its ``Kill`` RPC.
-
-    A manager exits inside the call, so a connection that drops after the
-    request was sent counts as success; only failing to connect, or an error
-    status the manager sent back, is an error.
-
-    Args:
-        address: the manager's address (``http://host:port`` or ``host:port``).
-        msg: the reason, which the manager logs.
-        timeout: how long to try to connect and call.
-
-    Raises:
-        ValueError: if the address is malformed.
-        CoordinationError: if the manager cannot be reached or refuses.
-        CoordinationTimeoutError: if the manager does not answer in time.
-    """
-    seconds = to_seconds("timeout", timeout)
-    target = grpc_target(address)
-    deadline = time.monotonic() + seconds
-    with grpc.insecure_channel(target, options=client_channel_options()) as channel:
-        # Connect first, and give up at the first failed attempt: a dead
-        # manager should not keep the dashboard waiting for the whole timeout.
-        states: queue.SimpleQueue[grpc.ChannelConnectivity] = queue.SimpleQueue()
-        channel.subscribe(states.put, try_to_connect=True)
-        try:
-            while True:
-                try:
-                    state = states.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    raise CoordinationTimeoutError(
-                        f"cannot reach manager at {address} within {seconds:g} s"
-                    ) from None
-                if state is grpc.ChannelConnectivity.READY:
-                    break
-                if state in (
-                    grpc.ChannelConnectivity.TRANSIENT_FAILURE,
-                    grpc.ChannelConnectivity.SHUTDOWN,
-                ):
-                    raise CoordinationError(f"cannot reach manager at {address}")
-        finally:
-            channel.unsubscribe(states.put)
-        call = channel.unary_unary(
-            MANAGER_KILL,
-            request_serializer=torchft_pb2.KillRequest.SerializeToString,
-            response_deserializer=torchft_pb2.KillResponse.FromString,
-        )
-        try:
-            call(torchft_pb2.KillRequest(msg=msg), timeout=max(0.001, deadline - time.monotonic()))
-        except grpc.RpcError as exc:
-            if isinstance(exc, grpc.Call) and exc.code() is grpc.StatusCode.UNAVAILABLE:
-                return  # the manager exited before answering, as intended
-            raise map_rpc_error(exc, f"Kill call to manager at {address}") from exc

@@ -39,14 +39,14 @@ import torch
 import torch.distributed as dist
 
 from ftdist.checkpointing import CheckpointTransport, HTTPTransport
-from ftdist.coordination.manager_client import ManagerClient
-from ftdist.coordination.manager_rule import QuorumResult
 from ftdist.errors import FtdistError, ProcessGroupAbortedError, StateDivergenceError
-from ftdist.managed_work import ManagedWork
-from ftdist.manager_settings import ManagerSettings
+from ftdist.manager.client import ManagerClient
+from ftdist.manager.config import ManagerConfig
+from ftdist.manager.heal import HealTimeline, differing_parts, fingerprint
+from ftdist.manager.rule import QuorumResult
+from ftdist.manager.work import ManagedWork
 from ftdist.process_group import ProcessGroup
-from ftdist.process_group.work import _DummyWork
-from ftdist.recovery import HealTimeline, differing_parts, fingerprint
+from ftdist.process_group.work import CompletedWork
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -143,7 +143,7 @@ class Manager:
             raise ValueError(f"min_replica_size must be an int >= 1, got {min_replica_size!r}")
         if max_retries is not None and (not isinstance(max_retries, int) or max_retries < 0):
             raise ValueError(f"max_retries must be None or an int >= 0, got {max_retries!r}")
-        settings = ManagerSettings.resolve(
+        settings = ManagerConfig.resolve(
             timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=connect_timeout,
             quorum_retries=quorum_retries, lighthouse_addr=lighthouse_addr, port=port,
             rank=rank, world_size=world_size, store_addr=store_addr, store_port=store_port,
@@ -193,7 +193,7 @@ class Manager:
         self._source_clients: dict[str, ManagerClient] = {}
         self._pending_works: list[ManagedWork] = []
 
-        from ftdist.manager_bootstrap import bootstrap
+        from ftdist.manager.bootstrap import bootstrap
 
         boot = bootstrap(settings, replica_id)
         self._store = boot.store
@@ -439,7 +439,7 @@ class Manager:
             ValueError: ``AVG`` of a non-floating-point tensor.
         """
         if self._errored is not None:
-            return _DummyWork(tensor)
+            return CompletedWork(tensor)
         self.wait_quorum()
         participants = self.num_participants()
         if not self.is_participating():
@@ -454,7 +454,7 @@ class Manager:
             work = self._pg.allreduce([tensor], op)
         except Exception as exc:
             self.report_error(exc)
-            return _DummyWork(tensor)
+            return CompletedWork(tensor)
         managed = ManagedWork(self, work, tensor, divisor)
         self._pending_works.append(managed)
         return managed

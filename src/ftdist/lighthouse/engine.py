@@ -4,7 +4,7 @@ Lighthouse engine
 
 The live state of a lighthouse and everything it does over time, with no
 networking: it records heartbeats, parks quorum requests until a quorum that
-includes them forms, runs the pure rule of :mod:`ftdist.coordination.quorum`
+includes them forms, runs the pure rule of :mod:`ftdist.lighthouse.quorum`
 and acts on its decisions, notices dead members and tells subscribers, and
 keeps the numbers the dashboard shows.
 
@@ -35,19 +35,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from ftdist.coordination._proto import ftdist_pb2, torchft_pb2
-from ftdist.coordination.quorum import (
+from ftdist._rpc._proto import ftdist_pb2, torchft_pb2
+from ftdist.lighthouse.quorum import (
     LighthouseState,
     Participant,
+    QuorumConfig,
     QuorumDecision,
-    QuorumSettings,
     compute_quorum,
     next_quorum_id,
 )
 
 __all__ = ["LATENCY_BUCKETS_S", "FormedQuorum", "LighthouseEngine", "Subscriber"]
 
-logger = logging.getLogger("ftdist.coordination.lighthouse")
+logger = logging.getLogger("ftdist.lighthouse.server")
 
 Member = torchft_pb2.QuorumMember
 
@@ -147,7 +147,7 @@ class LighthouseEngine:
 
     def __init__(
         self,
-        settings: QuorumSettings,
+        settings: QuorumConfig,
         *,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,

@@ -9,7 +9,7 @@ group reconfigure, state transfer, load) so a slow recovery can be explained.
 part (``default/model``, ``default/optim/state``, ...). After a heal every
 replica reports its fingerprint with its next quorum request and the
 manager server compares them (see
-:func:`ftdist.coordination.manager_rule.find_divergence`): replicas at the
+:func:`ftdist.manager.rule.find_divergence`): replicas at the
 same step must hold the same state, and a mismatch names the part that
 differs instead of letting replicas drift apart silently.
 """

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+import queue
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import grpc
 
-from ftdist.coordination import _rpc
-from ftdist.coordination._proto import torchft_pb2
-from ftdist.coordination.manager_rule import QuorumResult
+from ftdist._durations import to_seconds
+from ftdist._rpc import common as _rpc
+from ftdist._rpc._proto import torchft_pb2
+from ftdist.errors import CoordinationError, CoordinationTimeoutError
+from ftdist.manager.rule import QuorumResult
 
 
 @dataclass
@@ -48,11 +52,9 @@ class ManagerClient:
                                               options=_rpc.client_channel_options())
         try:
             grpc.channel_ready_future(self._channel).result(
-                timeout=_rpc.to_seconds("connect_timeout", connect_timeout))
+                timeout=to_seconds(connect_timeout, "connect_timeout"))
         except grpc.FutureTimeoutError:
             self._channel.close()
-            from ftdist.errors import CoordinationError
-
             raise CoordinationError(f"manager server {addr} unreachable within "
                                     f"{connect_timeout}") from None
 
@@ -71,7 +73,7 @@ class ManagerClient:
 
     def _call(self, rpc: Any, request: Any, timeout: timedelta | float, what: str) -> Any:
         try:
-            return rpc(request, timeout=_rpc.to_seconds("timeout", timeout))
+            return rpc(request, timeout=to_seconds(timeout, "timeout"))
         except grpc.RpcError as exc:
             raise _rpc.map_rpc_error(exc, f"manager {what}") from exc
 
@@ -150,3 +152,58 @@ class ManagerClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def kill_manager(address: str, msg: str, timeout: timedelta | float) -> None:
+    """Ask a replica group's ManagerServer to exit, via its ``Kill`` RPC.
+
+    A manager exits inside the call, so a connection that drops after the
+    request was sent counts as success; only failing to connect, or an error
+    status the manager sent back, is an error.
+
+    Args:
+        address: the manager's address (``http://host:port`` or ``host:port``).
+        msg: the reason, which the manager logs.
+        timeout: how long to try to connect and call.
+
+    Raises:
+        ValueError: if the address is malformed.
+        CoordinationError: if the manager cannot be reached or refuses.
+        CoordinationTimeoutError: if the manager does not answer in time.
+    """
+    seconds = to_seconds(timeout, "timeout")
+    target = _rpc.grpc_target(address)
+    deadline = time.monotonic() + seconds
+    with grpc.insecure_channel(target, options=_rpc.client_channel_options()) as channel:
+        # Connect first, and give up at the first failed attempt: a dead
+        # manager should not keep the dashboard waiting for the whole timeout.
+        states: queue.SimpleQueue[grpc.ChannelConnectivity] = queue.SimpleQueue()
+        channel.subscribe(states.put, try_to_connect=True)
+        try:
+            while True:
+                try:
+                    state = states.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise CoordinationTimeoutError(
+                        f"cannot reach manager at {address} within {seconds:g} s"
+                    ) from None
+                if state is grpc.ChannelConnectivity.READY:
+                    break
+                if state in (
+                    grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+                    grpc.ChannelConnectivity.SHUTDOWN,
+                ):
+                    raise CoordinationError(f"cannot reach manager at {address}")
+        finally:
+            channel.unsubscribe(states.put)
+        call = channel.unary_unary(
+            _rpc.MANAGER_KILL,
+            request_serializer=torchft_pb2.KillRequest.SerializeToString,
+            response_deserializer=torchft_pb2.KillResponse.FromString,
+        )
+        try:
+            call(torchft_pb2.KillRequest(msg=msg), timeout=max(0.001, deadline - time.monotonic()))
+        except grpc.RpcError as exc:
+            if isinstance(exc, grpc.Call) and exc.code() is grpc.StatusCode.UNAVAILABLE:
+                return  # the manager exited before answering, as intended
+            raise _rpc.map_rpc_error(exc, f"Kill call to manager at {address}") from exc

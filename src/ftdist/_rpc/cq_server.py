@@ -39,7 +39,7 @@ from grpc._cython import cygrpc
 
 __all__ = ["CompletionQueueServer", "Handler", "RpcCall"]
 
-logger = logging.getLogger("ftdist.coordination.grpc")
+logger = logging.getLogger("ftdist.rpc")
 
 _NO_FLAGS = 0
 # Longest sleep between checks for work sent from other threads; it bounds the

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ftdist.coordination.lighthouse_client import LighthouseClient
-from ftdist.coordination.manager_client import ManagerClient
-from ftdist.coordination.manager_server import ManagerServer
-from ftdist.manager_settings import ManagerSettings
+from ftdist.lighthouse.client import LighthouseClient
+from ftdist.manager.client import ManagerClient
+from ftdist.manager.config import ManagerConfig
+from ftdist.manager.server import ManagerServer
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class Bootstrap:
         return FailureNews(self.lighthouse_addr, self.replica_id, on_failed, self.connect_timeout)
 
 
-def bootstrap(settings: ManagerSettings, replica_id: str | None) -> Bootstrap:
+def bootstrap(settings: ManagerConfig, replica_id: str | None) -> Bootstrap:
     """Connect to (or host) the replica group's store, start the server on rank 0, connect.
 
     Raises:

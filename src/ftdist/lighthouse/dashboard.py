@@ -10,7 +10,7 @@ A small HTTP server next to the lighthouse, for people and for monitoring:
     store address, world size; members behind the max step are marked
     ``recovering``), why the next quorum is or is not ready, and heartbeat ages.
 ``GET /status.json``
-    The same data as JSON (:func:`build_status`).
+    The same data as JSON (:func:`~ftdist.lighthouse.status.build_status`).
 ``GET /metrics``
     Prometheus text format: quorum id, members, heartbeating replicas, waiting
     requests, totals and the quorum latency histogram.
@@ -21,7 +21,7 @@ A small HTTP server next to the lighthouse, for people and for monitoring:
     who can reach the port could otherwise stop a training job.
 
 Deviation from torchft: torchft serves this on the gRPC port; here it has its
-own port (see :mod:`ftdist.coordination.lighthouse`). ``/status`` is JSON
+own port (see :mod:`ftdist.lighthouse.server`). ``/status`` is JSON
 rather than an HTML fragment.
 
 Page hooks for browser tests: ``#quorum-id``, ``#num-members``,
@@ -37,12 +37,10 @@ fields ``.rid``, ``dd.step``, ``dd.manager``, ``dd.store``,
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import hmac
 import http.server
 import json
 import logging
-import math
 import socket
 import threading
 import urllib.parse
@@ -50,163 +48,15 @@ from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
-from ftdist.coordination.config import LighthouseConfig
-from ftdist.coordination.engine import LighthouseEngine
+from ftdist.lighthouse.status import render_metrics
 
-__all__ = ["DashboardServer", "build_status", "render_metrics"]
+__all__ = ["DashboardServer"]
 
-logger = logging.getLogger("ftdist.coordination.dashboard")
-
-
-def _round3(value: float) -> float:
-    return round(value, 3)
-
-
-def build_status(engine: LighthouseEngine, config: LighthouseConfig) -> dict[str, Any]:
-    """Describe the lighthouse as plain JSON-ready data.
-
-    Must run on the engine's event loop.
-
-    Args:
-        engine: the lighthouse's engine.
-        config: the lighthouse's config.
-
-    Returns:
-        The status document served at ``/status.json``.
-
-    Raises:
-        Nothing.
-    """
-    now = engine.now()
-    state = engine.state
-    heartbeat_timeout = engine.settings.heartbeat_timeout_s
-    decision = engine.decide()
-    heartbeats = [
-        {
-            "replica_id": rid,
-            "age_s": _round3(now - seen),
-            "healthy": now - seen < heartbeat_timeout,
-        }
-        for rid, seen in sorted(state.heartbeats.items())
-    ]
-    quorum: dict[str, Any] | None = None
-    current = engine.current
-    if current is not None:
-        members = current.quorum.participants
-        max_step = max((m.step for m in members), default=-1)
-        created = current.quorum.created.ToDatetime(tzinfo=dt.timezone.utc)
-        quorum = {
-            "quorum_id": current.quorum.quorum_id,
-            "created": created.isoformat(),
-            "age_s": _round3(now - current.formed_at),
-            "num_members": len(members),
-            "max_step": max_step,
-            "members": [
-                {
-                    "replica_id": m.replica_id,
-                    "step": m.step,
-                    "address": m.address,
-                    "store_address": m.store_address,
-                    "world_size": m.world_size,
-                    "shrink_only": m.shrink_only,
-                    "commit_failures": m.commit_failures,
-                    "recovering": m.step != max_step,
-                    "heartbeat_age_s": (
-                        _round3(now - state.heartbeats[m.replica_id])
-                        if m.replica_id in state.heartbeats
-                        else None
-                    ),
-                }
-                for m in members
-            ],
-        }
-    latency = engine.latency
-    cumulative, buckets = 0, []
-    for bound, count in zip((*latency.bounds, math.inf), latency.counts, strict=True):
-        cumulative += count
-        buckets.append(["+Inf" if math.isinf(bound) else bound, cumulative])
-    return {
-        "quorum_id": state.quorum_id,
-        "next_quorum": {"ready": decision.ready, "reason": decision.reason},
-        "quorum": quorum,
-        "waiting": [
-            {"replica_id": rid, "step": p.member.step, "waited_s": _round3(now - p.joined)}
-            for rid, p in sorted(state.participants.items())
-        ],
-        "heartbeats": heartbeats,
-        "num_heartbeating": sum(1 for h in heartbeats if h["healthy"]),
-        "num_subscribers": engine.num_subscribers,
-        "quorums_total": engine.num_quorums,
-        "member_failures_total": engine.num_member_failures,
-        "quorum_latency_seconds": {
-            "buckets": buckets,
-            "sum": latency.total,
-            "count": cumulative,
-        },
-        "settings": {
-            "min_replicas": config.min_replicas,
-            "join_timeout_ms": config.join_timeout / dt.timedelta(milliseconds=1),
-            "quorum_tick_ms": config.quorum_tick / dt.timedelta(milliseconds=1),
-            "heartbeat_timeout_ms": config.heartbeat_timeout / dt.timedelta(milliseconds=1),
-            "kill_enabled": config.kill_token is not None,
-        },
-        "uptime_s": _round3(now - engine.started_at),
-    }
-
-
-def render_metrics(status: dict[str, Any]) -> str:
-    """Render a status document in the Prometheus text exposition format.
-
-    Args:
-        status: a document from :func:`build_status`.
-
-    Returns:
-        The ``/metrics`` body.
-
-    Raises:
-        KeyError: if ``status`` lacks a field :func:`build_status` produces.
-    """
-    quorum = status["quorum"]
-    lines: list[str] = []
-
-    def metric(name: str, kind: str, help_text: str, value: float) -> None:
-        lines.append(f"# HELP {name} {help_text}")
-        lines.append(f"# TYPE {name} {kind}")
-        lines.append(f"{name} {value:g}")
-
-    prefix = "ftdist_lighthouse"
-    metric(f"{prefix}_quorum_id", "gauge", "Id of the current quorum (0 before the first).",
-           status["quorum_id"])
-    metric(f"{prefix}_quorum_members", "gauge", "Members of the current quorum.",
-           quorum["num_members"] if quorum else 0)
-    metric(f"{prefix}_heartbeating_replicas", "gauge",
-           "Replica groups whose last heartbeat is within the heartbeat timeout.",
-           status["num_heartbeating"])
-    metric(f"{prefix}_waiting_requests", "gauge", "Quorum requests waiting for the next quorum.",
-           len(status["waiting"]))
-    metric(f"{prefix}_next_quorum_ready", "gauge", "1 if a quorum could form now, else 0.",
-           1 if status["next_quorum"]["ready"] else 0)
-    metric(f"{prefix}_event_subscribers", "gauge", "Open failure-news streams.",
-           status["num_subscribers"])
-    metric(f"{prefix}_quorums_total", "counter", "Quorums formed since start.",
-           status["quorums_total"])
-    metric(f"{prefix}_member_failures_total", "counter",
-           "Quorum members declared dead after missing heartbeats.",
-           status["member_failures_total"])
-    hist = status["quorum_latency_seconds"]
-    name = f"{prefix}_quorum_latency_seconds"
-    lines.append(f"# HELP {name} Time from a round's first quorum request to its quorum.")
-    lines.append(f"# TYPE {name} histogram")
-    for bound, count in hist["buckets"]:
-        le = bound if isinstance(bound, str) else f"{bound:g}"
-        lines.append(f'{name}_bucket{{le="{le}"}} {count}')
-    lines.append(f"{name}_sum {hist['sum']:.6f}")
-    lines.append(f"{name}_count {hist['count']}")
-    return "\n".join(lines) + "\n"
+logger = logging.getLogger("ftdist.lighthouse.dashboard")
 
 
 def _page() -> bytes:
-    return resources.files("ftdist.coordination").joinpath("dashboard.html").read_bytes()
+    return resources.files("ftdist.lighthouse").joinpath("dashboard.html").read_bytes()
 
 
 class _HTTPServer(http.server.ThreadingHTTPServer):

@@ -30,9 +30,9 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from ftdist.coordination import _rpc
-from ftdist.coordination.lighthouse_client import LighthouseClient
+from ftdist._rpc import common as _rpc
 from ftdist.errors import CoordinationTimeoutError, FtdistError
+from ftdist.lighthouse.client import LighthouseClient
 
 __all__ = ["main", "register", "render", "run"]
 
@@ -354,7 +354,7 @@ def render(document: Mapping[str, Any], address: str) -> str:
 
     Args:
         document: a document from :meth:`LighthouseClient.status`
-            (:func:`ftdist.coordination.dashboard.build_status`).
+            (:func:`ftdist.lighthouse.status.build_status`).
         address: the lighthouse address, for the heading.
 
     Returns:

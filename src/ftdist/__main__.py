@@ -1,0 +1,7 @@
+"""``python -m ftdist``: the ``ftdist`` console script."""
+
+import sys
+
+from ftdist.cli import main
+
+sys.exit(main())

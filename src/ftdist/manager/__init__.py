@@ -1,0 +1,78 @@
+"""
+The Manager
+===========
+
+Everything that runs the fault-tolerant step protocol of one replica group:
+
+* :mod:`~ftdist.manager.manager`: :class:`Manager`, one per rank: quorum,
+  allreduce, commit vote.
+* :mod:`~ftdist.manager.work`: the work objects its allreduce returns.
+* :mod:`~ftdist.manager.config`: :class:`ManagerConfig`, every setting
+  resolved once (argument > environment > default).
+* :mod:`~ftdist.manager.bootstrap`: the replica group's store, server and
+  client; :mod:`~ftdist.manager.news`: the lighthouse's failure news.
+* :mod:`~ftdist.manager.heal`: heal timelines and state fingerprints.
+* :mod:`~ftdist.manager.server` / :mod:`~ftdist.manager.client`: the replica
+  group's :class:`ManagerServer` (in group rank 0) and its client, speaking
+  torchft's ``torchft.ManagerService``; :mod:`~ftdist.manager.rule`: the pure
+  per-rank quorum rule the server applies.
+
+Invariants:
+
+* **The step moves only on a commit.** ``should_commit()`` is an AND of every
+  group rank's vote; a step with an error, or with fewer participants than
+  ``min_replica_size``, changes nothing.
+* **Errors inside a step are values.** A failed collective or transfer is
+  recorded and makes the vote no; it never raises into the training loop.
+  Misuse raises at once.
+* **Healing is whole.** A replica behind the quorum's max step receives the
+  state of an up-to-date peer and loads it before it votes.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ftdist.manager.client import ManagerClient
+    from ftdist.manager.config import ManagerConfig
+    from ftdist.manager.heal import HealTimeline
+    from ftdist.manager.manager import ExceptionWithTraceback, Manager, WorldSizeMode
+    from ftdist.manager.server import ManagerServer
+
+# Loaded on first use: the lighthouse and the command line import the
+# server and client modules of this package, and must not pay for torch.
+_EXPORTS = {
+    "ExceptionWithTraceback": "ftdist.manager.manager",
+    "HealTimeline": "ftdist.manager.heal",
+    "Manager": "ftdist.manager.manager",
+    "ManagerClient": "ftdist.manager.client",
+    "ManagerConfig": "ftdist.manager.config",
+    "ManagerServer": "ftdist.manager.server",
+    "WorldSizeMode": "ftdist.manager.manager",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ftdist.manager' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+__all__ = [
+    "ExceptionWithTraceback",
+    "HealTimeline",
+    "Manager",
+    "ManagerClient",
+    "ManagerConfig",
+    "ManagerServer",
+    "WorldSizeMode",
+]
