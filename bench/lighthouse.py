@@ -59,7 +59,9 @@ class _Replica:
 
     def __init__(self, address: str, replica_id: str) -> None:
         self.replica_id = replica_id
-        self.channel = grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+        self.channel = grpc.aio.insecure_channel(
+            address, options=[("grpc.use_local_subchannel_pool", 1)]
+        )
         self.heartbeat = self.channel.unary_unary(
             _HEARTBEAT,
             request_serializer=pb.LighthouseHeartbeatRequest.SerializeToString,
@@ -115,7 +117,9 @@ def _wait_ready(address: str, proc: subprocess.Popen[bytes], deadline_s: float) 
                 return
             except grpc.FutureTimeoutError:
                 if time.monotonic() > end:
-                    raise RuntimeError(f"lighthouse at {address} not ready after {deadline_s} s") from None
+                    raise RuntimeError(
+                        f"lighthouse at {address} not ready after {deadline_s} s"
+                    ) from None
     finally:
         channel.close()
 

@@ -147,19 +147,23 @@ def _raw_gloo(tcp: dist.Store, prefix: str, rank: int, world_size: int) -> Any:
 
 
 def _tcp_client(ctx: RankContext) -> dist.Store:
-    return dist.TCPStore(ctx.store_host, ctx.store_port, is_master=False,
-                         wait_for_workers=False, timeout=TIMEOUT)
+    return dist.TCPStore(
+        ctx.store_host, ctx.store_port, is_master=False, wait_for_workers=False, timeout=TIMEOUT
+    )
 
 
 def _op(name: str, pg: Any) -> Callable[[torch.Tensor], None]:
     """One allreduce-and-wait on ``pg``, called the way users call it."""
     if name == "raw":
+
         def run_raw(t: torch.Tensor) -> None:
             pg.allreduce([t]).wait()
+
         return run_raw
 
     def run_ft(t: torch.Tensor) -> None:
         pg.allreduce([t], dist.ReduceOp.SUM).wait()
+
     return run_ft
 
 
@@ -172,8 +176,9 @@ def _check(op: Callable[[torch.Tensor], None], rank: int, world_size: int, what:
         raise RuntimeError(f"{what}: allreduce gave {t[0].item()}, want {want}")
 
 
-def _allreduce_phase(ctl: Any, ops: dict[str, Callable[[torch.Tensor], None]],
-                     cfg: Config) -> dict[float, dict[str, list[list[float]]]]:
+def _allreduce_phase(
+    ctl: Any, ops: dict[str, Callable[[torch.Tensor], None]], cfg: Config
+) -> dict[float, dict[str, list[list[float]]]]:
     """Per size: per group, a list of rounds, each a list of per-op seconds."""
     out: dict[float, dict[str, list[list[float]]]] = {}
     for size in cfg.sizes_mib:
@@ -233,8 +238,14 @@ def _timed(op: Callable[[torch.Tensor], None], t: torch.Tensor, iters: int) -> l
     return samples
 
 
-def _configure_phase(ctx: RankContext, ctl: Any, tcp: dist.Store, ft: ProcessGroupGloo,
-                     baby: ProcessGroupBabyGloo, cfg: Config) -> dict[str, list[float]]:
+def _configure_phase(
+    ctx: RankContext,
+    ctl: Any,
+    tcp: dist.Store,
+    ft: ProcessGroupGloo,
+    baby: ProcessGroupBabyGloo,
+    cfg: Config,
+) -> dict[str, list[float]]:
     rank, ws = ctx.rank, ctx.world_size
     res: dict[str, list[float]] = {
         k: [] for k in ("raw", "raw_tcp", "ftdist", "ftdist_spaced", "baby", "baby_b2b")
@@ -354,9 +365,11 @@ def _machine() -> str:
     except AttributeError:
         affinity = os.cpu_count() or 0
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return (f"machine: nproc={affinity} (os.cpu_count={os.cpu_count()}), cpu={model!r}, "
-            f"torch {torch.__version__}, python {platform.python_version()}, "
-            f"loadavg {load}")
+    return (
+        f"machine: nproc={affinity} (os.cpu_count={os.cpu_count()}), cpu={model!r}, "
+        f"torch {torch.__version__}, python {platform.python_version()}, "
+        f"loadavg {load}"
+    )
 
 
 def _sources() -> str:
@@ -370,8 +383,10 @@ def _sources() -> str:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
         newest = max(newest, path.stat().st_mtime)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(newest))
-    return (f"ftdist: {root.parent}, process_group/*.py sha1 {digest.hexdigest()[:12]} "
-            f"(newest file {stamp})")
+    return (
+        f"ftdist: {root.parent}, process_group/*.py sha1 {digest.hexdigest()[:12]} "
+        f"(newest file {stamp})"
+    )
 
 
 @dataclass
@@ -406,8 +421,9 @@ def _verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
-def _ratio_target(what: str, ratio: tuple[float, float, float], bound: float,
-                  at_least: bool) -> tuple[str, str, str, bool, str]:
+def _ratio_target(
+    what: str, ratio: tuple[float, float, float], bound: float, at_least: bool
+) -> tuple[str, str, str, bool, str]:
     point, lo, hi = ratio
     ok = point >= bound if at_least else point <= bound
     note = "  (95% CI includes the target: within noise)" if lo <= bound <= hi else ""
@@ -420,13 +436,16 @@ def report(r0: dict[str, Any], r1: dict[str, Any], cfg: Config) -> None:
     targets: list[tuple[str, str, str, bool, str]] = []
     print()
     print("== allreduce (SUM, float32, CPU, 2 ranks; rank 0's clock) ==")
-    print("   rounds of one slice per group, order cycling through all permutations; "
-          "p50 = median of the per-round medians;")
-    print("   GB/s = tensor bytes / p50 (1 GB = 1e9 B); "
-          "p10-p90 = of the round medians;")
+    print(
+        "   rounds of one slice per group, order cycling through all permutations; "
+        "p50 = median of the per-round medians;"
+    )
+    print("   GB/s = tensor bytes / p50 (1 GB = 1e9 B); p10-p90 = of the round medians;")
     print("   vs raw = median over rounds of the per-round ratio [95% bootstrap CI]")
-    print(f"   {'size':>9}  {'group':<17} {'rounds x ops':>12} {'mean ms':>9} {'p50 ms':>9} "
-          f"{'p10-p90 ms':>17} {'GB/s':>7}  {'thr vs raw (raw/grp)':<27} {'lat vs raw':>10}")
+    print(
+        f"   {'size':>9}  {'group':<17} {'rounds x ops':>12} {'mean ms':>9} {'p50 ms':>9} "
+        f"{'p10-p90 ms':>17} {'GB/s':>7}  {'thr vs raw (raw/grp)':<27} {'lat vs raw':>10}"
+    )
     for size, rounds in r0["allreduce"].items():
         nbytes = _numel(size) * 4
         shape = f"{len(rounds['raw'])} x {len(rounds['raw'][0])}"
@@ -438,17 +457,28 @@ def report(r0: dict[str, Any], r1: dict[str, Any], cfg: Config) -> None:
                 thr = _paired_ratio(rounds["raw"], rounds[name])
                 rel = f"{thr[0]:.3f}x [{thr[1]:.3f} - {thr[2]:.3f}]      {lat:>9.3f}x"
                 if name == "ftdist" and size in (16, 64):
-                    targets.append(_ratio_target(f"ftdist Gloo throughput @ {size:g} MiB", thr,
-                                                 0.97, at_least=True))
+                    targets.append(
+                        _ratio_target(
+                            f"ftdist Gloo throughput @ {size:g} MiB", thr, 0.97, at_least=True
+                        )
+                    )
                 if name == "ftdist" and size == 1:
-                    targets.append(_ratio_target("ftdist Gloo latency @ 1 MiB",
-                                                 (lat, lq_lo, lq_hi), 1.10, at_least=False))
+                    targets.append(
+                        _ratio_target(
+                            "ftdist Gloo latency @ 1 MiB", (lat, lq_lo, lq_hi), 1.10, at_least=False
+                        )
+                    )
                 if name == "baby" and size in (16, 64):
-                    targets.append(_ratio_target(f"Baby Gloo throughput @ {size:g} MiB", thr,
-                                                 0.90, at_least=True))
+                    targets.append(
+                        _ratio_target(
+                            f"Baby Gloo throughput @ {size:g} MiB", thr, 0.90, at_least=True
+                        )
+                    )
             band = f"{s.p10 * 1e3:.3f}-{s.p90 * 1e3:.3f}"
-            print(f"   {f'{size:g} MiB':>9}  {LABELS[name]:<17} {shape:>12} {s.mean * 1e3:>9.3f} "
-                  f"{s.p50 * 1e3:>9.3f} {band:>17} {nbytes / s.p50 / 1e9:>7.3f}  {rel}")
+            print(
+                f"   {f'{size:g} MiB':>9}  {LABELS[name]:<17} {shape:>12} {s.mean * 1e3:>9.3f} "
+                f"{s.p50 * 1e3:>9.3f} {band:>17} {nbytes / s.p50 / 1e9:>7.3f}  {rel}"
+            )
 
     c0, c1 = r0["configure"], r1["configure"]
     cfgs = {k: [max(a, b) for a, b in zip(c0[k], c1[k], strict=True)] for k in c0}
@@ -459,8 +489,11 @@ def report(r0: dict[str, Any], r1: dict[str, Any], cfg: Config) -> None:
         ("raw", "raw Gloo: new PrefixStore + ProcessGroupGloo(...)"),
         ("raw_tcp", "raw Gloo: + new TCPStore client (as configure needs)"),
         ("ftdist", "ftdist Gloo configure() (back to back)"),
-        ("ftdist_spaced", f"ftdist Gloo configure() ({SPACED_GAP.total_seconds():g} s apart, "
-                          f"timeout {SPACED_TIMEOUT.total_seconds():g} s)"),
+        (
+            "ftdist_spaced",
+            f"ftdist Gloo configure() ({SPACED_GAP.total_seconds():g} s apart, "
+            f"timeout {SPACED_TIMEOUT.total_seconds():g} s)",
+        ),
         ("baby", f"ftdist Baby Gloo configure() ({cfg.spare_wait:g} s apart)"),
         ("baby_b2b", "ftdist Baby Gloo configure() back-to-back (no wait)"),
     ]
@@ -468,69 +501,131 @@ def report(r0: dict[str, Any], r1: dict[str, Any], cfg: Config) -> None:
         v = cfgs[key]
         if not v:
             continue
-        print(f"   {label:<52} {len(v):>3} {statistics.median(v) * 1e3:>9.2f} "
-              f"{_pct(v, 90) * 1e3:>9.2f} {min(v) * 1e3:>9.2f} {max(v) * 1e3:>9.2f}")
+        print(
+            f"   {label:<52} {len(v):>3} {statistics.median(v) * 1e3:>9.2f} "
+            f"{_pct(v, 90) * 1e3:>9.2f} {min(v) * 1e3:>9.2f} {max(v) * 1e3:>9.2f}"
+        )
     stalls = sum(x > 4.5 for k in cfgs if k != "raw" for x in cfgs[k])
     if stalls:
-        print(f"   note: {stalls} reconfigure(s) above took ~5 s, most likely a reverse-DNS "
-              "retry: each new TCPStore")
-        print("   connection makes torch look up ::ffff:127.0.0.1 (client and server side), "
-              "and glibc retries a dropped query after 5 s.")
+        print(
+            f"   note: {stalls} reconfigure(s) above took ~5 s, most likely a reverse-DNS "
+            "retry: each new TCPStore"
+        )
+        print(
+            "   connection makes torch look up ::ffff:127.0.0.1 (client and server side), "
+            "and glibc retries a dropped query after 5 s."
+        )
     if cfgs["baby_b2b"]:
-        print("   Baby back-to-back, in order: "
-              + ", ".join(f"{x * 1e3:.1f}" for x in cfgs["baby_b2b"]) + " ms")
-    print(f"   (not in the table: ProcessGroupBabyGloo() constructor {r0['baby_ctor']:.2f} s "
-          "on rank 0 -- starts the rank's fork server;")
+        print(
+            "   Baby back-to-back, in order: "
+            + ", ".join(f"{x * 1e3:.1f}" for x in cfgs["baby_b2b"])
+            + " ms"
+        )
+    print(
+        f"   (not in the table: ProcessGroupBabyGloo() constructor {r0['baby_ctor']:.2f} s "
+        "on rank 0 -- starts the rank's fork server;"
+    )
     print(f"   its first configure {r0['baby_first'] * 1e3:.1f} ms)")
     med_ft = statistics.median(cfgs["ftdist"])
     med_spaced = statistics.median(cfgs["ftdist_spaced"]) if cfgs["ftdist_spaced"] else None
     med_baby = statistics.median(cfgs["baby"])
-    targets.append(("ftdist Gloo configure() median", "<= 10 ms (ref 22 ms)",
-                    f"{med_ft * 1e3:.2f} ms", med_ft <= 0.010, ""))
+    targets.append(
+        (
+            "ftdist Gloo configure() median",
+            "<= 10 ms (ref 22 ms)",
+            f"{med_ft * 1e3:.2f} ms",
+            med_ft <= 0.010,
+            "",
+        )
+    )
     if med_spaced is not None:
-        targets.append(("  same, spaced > timeout apart", "<= 10 ms (ref 22 ms)",
-                        f"{med_spaced * 1e3:.2f} ms", med_spaced <= 0.010, ""))
-    targets.append(("Baby Gloo configure() median", "<= 100 ms (ref 2.6 s)",
-                    f"{med_baby * 1e3:.2f} ms", med_baby <= 0.100, ""))
+        targets.append(
+            (
+                "  same, spaced > timeout apart",
+                "<= 10 ms (ref 22 ms)",
+                f"{med_spaced * 1e3:.2f} ms",
+                med_spaced <= 0.010,
+                "",
+            )
+        )
+    targets.append(
+        (
+            "Baby Gloo configure() median",
+            "<= 100 ms (ref 2.6 s)",
+            f"{med_baby * 1e3:.2f} ms",
+            med_baby <= 0.100,
+            "",
+        )
+    )
 
     print()
     print("== targets ==")
     for what, target, got, ok, note in targets:
         print(f"   {_verdict(ok)}  {what:<36} {target:<22} got {got}{note}")
     phase = r0["phase_s"]
-    print(f"   (rank 0 phases: allreduce {phase['allreduce']:.1f} s, "
-          f"configure {phase['configure']:.1f} s)")
+    print(
+        f"   (rank 0 phases: allreduce {phase['allreduce']:.1f} s, "
+        f"configure {phase['configure']:.1f} s)"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse arguments, run the two ranks, print the report."""
     parser = argparse.ArgumentParser(
         description="Benchmark ftdist's Gloo process groups against raw torch Gloo "
-                    "(2 ranks on this machine).",
+        "(2 ranks on this machine).",
     )
-    parser.add_argument("--quick", action="store_true",
-                        help="short smoke run (15-30 s; numbers are rough)")
-    parser.add_argument("--sizes", default="1,16,64",
-                        help="allreduce sizes in MiB, comma-separated; fractions allowed, "
-                             "e.g. 0.001 for the fixed per-op cost (default: 1,16,64)")
-    parser.add_argument("--seconds-per-size", type=float, default=None,
-                        help="timed allreduce seconds per size, all groups together "
-                             "(default 20, quick 1.5)")
-    parser.add_argument("--slice-seconds", type=float, default=0.03,
-                        help="target length of one group's slice of back-to-back ops in a "
-                             "round; at least one op (default 0.03)")
-    parser.add_argument("--configure-reps", type=int, default=None,
-                        help="measured reconfigures per group (default 10, quick 3)")
-    parser.add_argument("--spaced-reps", type=int, default=None,
-                        help="ftdist Gloo reconfigures spaced longer than the group's timeout "
-                             f"({SPACED_GAP.total_seconds():g} s apart, after one untimed; "
-                             "default 4, quick 1; 0 skips them)")
-    parser.add_argument("--spare-wait", type=float, default=None,
-                        help="seconds between measured Baby reconfigures (default 1.0, quick 0.5)")
-    parser.add_argument("--back-to-back", type=int, default=3,
-                        help="extra Baby reconfigures with no wait (default 3)")
-    parser.add_argument("--json", metavar="PATH", default=None,
-                        help="also write every rank's raw samples to PATH")
+    parser.add_argument(
+        "--quick", action="store_true", help="short smoke run (15-30 s; numbers are rough)"
+    )
+    parser.add_argument(
+        "--sizes",
+        default="1,16,64",
+        help="allreduce sizes in MiB, comma-separated; fractions allowed, "
+        "e.g. 0.001 for the fixed per-op cost (default: 1,16,64)",
+    )
+    parser.add_argument(
+        "--seconds-per-size",
+        type=float,
+        default=None,
+        help="timed allreduce seconds per size, all groups together (default 20, quick 1.5)",
+    )
+    parser.add_argument(
+        "--slice-seconds",
+        type=float,
+        default=0.03,
+        help="target length of one group's slice of back-to-back ops in a "
+        "round; at least one op (default 0.03)",
+    )
+    parser.add_argument(
+        "--configure-reps",
+        type=int,
+        default=None,
+        help="measured reconfigures per group (default 10, quick 3)",
+    )
+    parser.add_argument(
+        "--spaced-reps",
+        type=int,
+        default=None,
+        help="ftdist Gloo reconfigures spaced longer than the group's timeout "
+        f"({SPACED_GAP.total_seconds():g} s apart, after one untimed; "
+        "default 4, quick 1; 0 skips them)",
+    )
+    parser.add_argument(
+        "--spare-wait",
+        type=float,
+        default=None,
+        help="seconds between measured Baby reconfigures (default 1.0, quick 0.5)",
+    )
+    parser.add_argument(
+        "--back-to-back",
+        type=int,
+        default=3,
+        help="extra Baby reconfigures with no wait (default 3)",
+    )
+    parser.add_argument(
+        "--json", metavar="PATH", default=None, help="also write every rank's raw samples to PATH"
+    )
     args = parser.parse_args(argv)
     if args.configure_reps is not None and args.configure_reps < 1:
         parser.error("--configure-reps must be at least 1")

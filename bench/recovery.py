@@ -98,8 +98,9 @@ def _quiet(verbose: bool) -> None:
 
 def _coord(port: int, prefix: str) -> dist.Store:
     """A client of the parent's coordination store."""
-    tcp = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                        timeout=CTL_TIMEOUT)
+    tcp = dist.TCPStore(
+        "127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=CTL_TIMEOUT
+    )
     return dist.PrefixStore(prefix, tcp)
 
 
@@ -133,8 +134,9 @@ def _batch(width: int, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tenso
     return torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
 
 
-def _make_manager(lighthouse: str, replica_id: str, model: nn.Module,
-                  optim: torch.optim.Optimizer, pg: Any) -> tuple[Any, dist.TCPStore]:
+def _make_manager(
+    lighthouse: str, replica_id: str, model: nn.Module, optim: torch.optim.Optimizer, pg: Any
+) -> tuple[Any, dist.TCPStore]:
     """A Manager (default timeouts) for a replica group of one rank, hosting its own TCPStore."""
     from ftdist.manager import Manager
 
@@ -145,10 +147,16 @@ def _make_manager(lighthouse: str, replica_id: str, model: nn.Module,
         optim.load_state_dict(sd["optim"])
 
     manager = Manager(
-        pg=pg, load_state_dict=load,
+        pg=pg,
+        load_state_dict=load,
         state_dict=lambda: {"model": model.state_dict(), "optim": optim.state_dict()},
-        min_replica_size=1, replica_id=replica_id, lighthouse_addr=lighthouse,
-        rank=0, world_size=1, store_addr="127.0.0.1", store_port=own.port,
+        min_replica_size=1,
+        replica_id=replica_id,
+        lighthouse_addr=lighthouse,
+        rank=0,
+        world_size=1,
+        store_addr="127.0.0.1",
+        store_port=own.port,
         hostname="127.0.0.1",
     )
     return manager, own
@@ -157,9 +165,18 @@ def _make_manager(lighthouse: str, replica_id: str, model: nn.Module,
 # -- (a) per-step overhead ---------------------------------------------------------------------
 
 
-def overhead_rank(ctx: RankContext, lighthouse: str, width: int, depth: int, batch: int,
-                  threads: int, warmup: int, block_s: float, seconds: float,
-                  verbose: bool) -> dict[str, Any]:
+def overhead_rank(
+    ctx: RankContext,
+    lighthouse: str,
+    width: int,
+    depth: int,
+    batch: int,
+    threads: int,
+    warmup: int,
+    block_s: float,
+    seconds: float,
+    verbose: bool,
+) -> dict[str, Any]:
     from ftdist.ddp import DistributedDataParallel as FtDDP
     from ftdist.optim import OptimizerWrapper
     from ftdist.process_group import ProcessGroupGloo
@@ -170,8 +187,12 @@ def overhead_rank(ctx: RankContext, lighthouse: str, width: int, depth: int, bat
     x, y = _batch(width, batch, seed=ctx.rank)
 
     # Plain torch: default group over Gloo, torch DDP, plain optimizer.
-    dist.init_process_group("gloo", store=dist.PrefixStore("plain", ctx.store()),
-                            rank=ctx.rank, world_size=ctx.world_size)
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore("plain", ctx.store()),
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+    )
     plain = nn.parallel.DistributedDataParallel(mlp(width, depth, seed=1))
     plain_opt = torch.optim.SGD(plain.parameters(), lr=1e-3, momentum=0.9)
 
@@ -239,16 +260,32 @@ def overhead_rank(ctx: RankContext, lighthouse: str, width: int, depth: int, bat
         pg.shutdown()
         dist.destroy_process_group()
         del own
-    return {"k": k, "rounds": rounds, "times": times, "cpu": cpu, "failed": failed,
-            "committed": committed}
+    return {
+        "k": k,
+        "rounds": rounds,
+        "times": times,
+        "cpu": cpu,
+        "failed": failed,
+        "committed": committed,
+    }
 
 
 # -- (b) failure detection to next commit ------------------------------------------------------
 
 
-def failover_rank(ctx: RankContext, lighthouse: str, coord_port: int, coord_prefix: str,
-                  kill_step: int, end_step: int, width: int, depth: int, batch: int,
-                  threads: int, verbose: bool) -> dict[str, Any]:
+def failover_rank(
+    ctx: RankContext,
+    lighthouse: str,
+    coord_port: int,
+    coord_prefix: str,
+    kill_step: int,
+    end_step: int,
+    width: int,
+    depth: int,
+    batch: int,
+    threads: int,
+    verbose: bool,
+) -> dict[str, Any]:
     from ftdist.ddp import DistributedDataParallel as FtDDP
     from ftdist.optim import OptimizerWrapper
     from ftdist.process_group import ProcessGroupGloo
@@ -286,12 +323,22 @@ def failover_rank(ctx: RankContext, lighthouse: str, coord_port: int, coord_pref
             t_backward = time.time()
             opt.step()
             err = manager.errored()
-            attempts.append({"step": step, "t_start": t0, "t_quorum": t_quorum,
-                             "t_backward": t_backward, "t_end": time.time(),
-                             "committed": manager.current_step() > step,
-                             "error": str(err).splitlines()[0] if err else None})
-        return {"attempts": attempts, "timeout_s": manager._settings.timeout.total_seconds(),
-                "pg_timeout_s": pg._timeout.total_seconds()}
+            attempts.append(
+                {
+                    "step": step,
+                    "t_start": t0,
+                    "t_quorum": t_quorum,
+                    "t_backward": t_backward,
+                    "t_end": time.time(),
+                    "committed": manager.current_step() > step,
+                    "error": str(err).splitlines()[0] if err else None,
+                }
+            )
+        return {
+            "attempts": attempts,
+            "timeout_s": manager._settings.timeout.total_seconds(),
+            "pg_timeout_s": pg._timeout.total_seconds(),
+        }
     finally:
         manager.shutdown()
         pg.shutdown()
@@ -301,9 +348,19 @@ def failover_rank(ctx: RankContext, lighthouse: str, coord_port: int, coord_pref
 # -- (c) replacement start to first commit -------------------------------------------------------
 
 
-def replace_rank(ctx: RankContext, lighthouse: str, coord_port: int, coord_prefix: str,
-                 width: int, depth: int, batch: int, threads: int, verbose: bool,
-                 t_request: float | None = None, attempt: int = 0) -> dict[str, Any]:
+def replace_rank(
+    ctx: RankContext,
+    lighthouse: str,
+    coord_port: int,
+    coord_prefix: str,
+    width: int,
+    depth: int,
+    batch: int,
+    threads: int,
+    verbose: bool,
+    t_request: float | None = None,
+    attempt: int = 0,
+) -> dict[str, Any]:
     t_enter = time.time()
     preloaded = "ftdist.manager" in sys.modules
     import ftdist.manager  # noqa: F401  (timed: the fork server has not imported it)
@@ -358,15 +415,22 @@ def replace_rank(ctx: RankContext, lighthouse: str, coord_port: int, coord_prefi
             for v in st.values():
                 if isinstance(v, torch.Tensor):
                     state_bytes += v.numel() * v.element_size()
-        return {"attempt": attempt, "t_request": t_request, "t_enter": t_enter,
-                "preloaded": preloaded, "t_imported": t_imported, "t_built": t_built,
-                "t_optim": t_optim, "t_ready": t_ready,
-                "t_first_commit": first_commit, "state_bytes": state_bytes,
-                # The transport's own timing of its last transfer (private
-                # attribute, read for the breakdown only).
-                "stream_s": getattr(manager._transport.last_transfer, "seconds", None),
-                "heals": [t.as_dict() | {"gbps": t.transfer_gbps}
-                          for t in manager.heal_timelines]}
+        return {
+            "attempt": attempt,
+            "t_request": t_request,
+            "t_enter": t_enter,
+            "preloaded": preloaded,
+            "t_imported": t_imported,
+            "t_built": t_built,
+            "t_optim": t_optim,
+            "t_ready": t_ready,
+            "t_first_commit": first_commit,
+            "state_bytes": state_bytes,
+            # The transport's own timing of its last transfer (private
+            # attribute, read for the breakdown only).
+            "stream_s": getattr(manager._transport.last_transfer, "seconds", None),
+            "heals": [t.as_dict() | {"gbps": t.transfer_gbps} for t in manager.heal_timelines],
+        }
     finally:
         manager.shutdown()
         pg.shutdown()
@@ -381,8 +445,9 @@ def _returns(value: Any) -> Callable[[], Any]:
     return lambda: value
 
 
-def transport_rank(ctx: RankContext, n_tensors: int, tensor_bytes: int, reps: int,
-                   chunk_rows: tuple[int, ...]) -> dict[str, Any]:
+def transport_rank(
+    ctx: RankContext, n_tensors: int, tensor_bytes: int, reps: int, chunk_rows: tuple[int, ...]
+) -> dict[str, Any]:
     from ftdist.checkpointing import HTTPTransport, PGTransport
     from ftdist.process_group import ProcessGroupGloo
 
@@ -392,8 +457,7 @@ def transport_rank(ctx: RankContext, n_tensors: int, tensor_bytes: int, reps: in
     timeout = timedelta(seconds=60)
     numel = tensor_bytes // 4
     total = n_tensors * tensor_bytes
-    state = {f"layer{i}": torch.full((numel,), float(i)) for i in range(n_tensors)} \
-        if src else None
+    state = {f"layer{i}": torch.full((numel,), float(i)) for i in range(n_tensors)} if src else None
     out: dict[str, Any] = {}
 
     def check(got: dict[str, torch.Tensor]) -> None:
@@ -466,13 +530,16 @@ def transport_rank(ctx: RankContext, n_tensors: int, tensor_bytes: int, reps: in
     pg = ProcessGroupGloo(timeout=timeout)
     pg.configure(ctx.addr("pgtransport"), ctx.rank, 2)
     try:
-        for label, in_place in (("PGTransport (ProcessGroupGloo)", False),
-                                ("PGTransport, in place (state_dict=)", True)):
+        for label, in_place in (
+            ("PGTransport (ProcessGroupGloo)", False),
+            ("PGTransport, in place (state_dict=)", True),
+        ):
             dest: dict[str, torch.Tensor] | None = None
             if in_place and not src:
                 dest = {f"layer{i}": torch.zeros(numel) for i in range(n_tensors)}
             tr_pg: PGTransport[Any] = PGTransport(
-                pg, timeout, state_dict=_returns(dest) if dest is not None else None)
+                pg, timeout, state_dict=_returns(dest) if dest is not None else None
+            )
             rows = []
             for rep in range(reps):
                 _store_barrier(store, f"{label}/{rep}")
@@ -502,8 +569,9 @@ def _machine() -> str:
     mem = "?"
     try:
         with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f
-                          if ln.startswith("model name")), model)
+            model = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model
+            )
         with open("/proc/meminfo") as f:
             kib = next((int(ln.split()[1]) for ln in f if ln.startswith("MemTotal")), 0)
             mem = f"{kib / 2**20:.1f} GiB"
@@ -513,8 +581,10 @@ def _machine() -> str:
         nproc = len(os.sched_getaffinity(0))
     except AttributeError:
         nproc = os.cpu_count() or 0
-    return (f"machine: nproc={nproc}, cpu={model!r}, memory {mem}, torch {torch.__version__}, "
-            f"python {platform.python_version()}, {platform.system()} {platform.release()}")
+    return (
+        f"machine: nproc={nproc}, cpu={model!r}, memory {mem}, torch {torch.__version__}, "
+        f"python {platform.python_version()}, {platform.system()} {platform.release()}"
+    )
 
 
 def _load() -> str:
@@ -546,19 +616,32 @@ def _fail(outcomes: Sequence[Any], what: str) -> None:
 
 
 def part_overhead(args: argparse.Namespace, targets: Targets) -> None:
-    print("\n(a) per-step overhead: ftdist (Manager + ftdist DDP + OptimizerWrapper) vs plain "
-          "torch DDP + init_process_group('gloo')")
-    print(f"    2 replica groups x 1 rank (2 processes), {args.threads} torch thread(s) each, "
-          f"batch {args.batch}, SGD momentum 0.9, lighthouse min_replicas=2; K-step blocks of "
-          "each alternate")
-    print("    ftdist DDP always sets find_unused_parameters=True (an extra autograd-graph "
-          "traversal per step); plain DDP keeps torch's default (False)")
-    rows = [("tiny", 32, 2, args.tiny_seconds), ("mid", 512, 4, args.mid_seconds),
-            ("target", args.width, args.depth, args.overhead_seconds)]
-    print(f"    {'model (params)':<21} {'ms/step':>14} {'overhead':>9} {'steps/s':>13} "
-          f"{'ratio ftdist/plain':>20} {'CPU ms/step':>13}  blocks")
-    print(f"    {'':<21} {'plain ftdist':>14} {'ms/step':>9} {'plain ftdist':>13} "
-          f"{'median (p10-p90)':>20} {'plain ftdist':>13}  x steps")
+    print(
+        "\n(a) per-step overhead: ftdist (Manager + ftdist DDP + OptimizerWrapper) vs plain "
+        "torch DDP + init_process_group('gloo')"
+    )
+    print(
+        f"    2 replica groups x 1 rank (2 processes), {args.threads} torch thread(s) each, "
+        f"batch {args.batch}, SGD momentum 0.9, lighthouse min_replicas=2; K-step blocks of "
+        "each alternate"
+    )
+    print(
+        "    ftdist DDP always sets find_unused_parameters=True (an extra autograd-graph "
+        "traversal per step); plain DDP keeps torch's default (False)"
+    )
+    rows = [
+        ("tiny", 32, 2, args.tiny_seconds),
+        ("mid", 512, 4, args.mid_seconds),
+        ("target", args.width, args.depth, args.overhead_seconds),
+    ]
+    print(
+        f"    {'model (params)':<21} {'ms/step':>14} {'overhead':>9} {'steps/s':>13} "
+        f"{'ratio ftdist/plain':>20} {'CPU ms/step':>13}  blocks"
+    )
+    print(
+        f"    {'':<21} {'plain ftdist':>14} {'ms/step':>9} {'plain ftdist':>13} "
+        f"{'median (p10-p90)':>20} {'plain ftdist':>13}  x steps"
+    )
     for label, width, depth, seconds in rows:
         if seconds <= 0:
             continue
@@ -566,9 +649,21 @@ def part_overhead(args: argparse.Namespace, targets: Targets) -> None:
         server = _lighthouse(min_replicas=2)
         cpu_parent = time.process_time()
         try:
-            with Ranks(overhead_rank, 2, args=(server.address(), width, depth, args.batch,
-                                               args.threads, args.warmup, args.block_s, seconds,
-                                               args.verbose)) as ranks:
+            with Ranks(
+                overhead_rank,
+                2,
+                args=(
+                    server.address(),
+                    width,
+                    depth,
+                    args.batch,
+                    args.threads,
+                    args.warmup,
+                    args.block_s,
+                    seconds,
+                    args.verbose,
+                ),
+            ) as ranks:
                 outcomes = ranks.join(timeout=seconds * 3 + 120)
         finally:
             server.shutdown()
@@ -584,23 +679,33 @@ def part_overhead(args: argparse.Namespace, targets: Targets) -> None:
         cf = statistics.median(r0["cpu"]["ftdist"]) / k
         name = f"{depth}x{width}x{width} ({n_params(width, depth) / 1e6:.2f}M)"
         spread = f"({_pct(ratios, 10):.2f}-{_pct(ratios, 90):.2f})"
-        print(f"    {name:<21} {mp * 1e3:>6.2f} {mf * 1e3:>7.2f} {(mf - mp) * 1e3:>+9.2f} "
-              f"{1 / mp:>6.1f} {1 / mf:>6.1f} {ratio:>7.3f}x {spread:>12} {cp * 1e3:>6.2f} "
-              f"{cf * 1e3:>6.2f}  {r0['rounds']}x{k}")
+        print(
+            f"    {name:<21} {mp * 1e3:>6.2f} {mf * 1e3:>7.2f} {(mf - mp) * 1e3:>+9.2f} "
+            f"{1 / mp:>6.1f} {1 / mf:>6.1f} {ratio:>7.3f}x {spread:>12} {cp * 1e3:>6.2f} "
+            f"{cf * 1e3:>6.2f}  {r0['rounds']}x{k}"
+        )
         n_ft = r0["rounds"] * k
         if r0["failed"]:
             print(f"      note: {r0['failed']} of {n_ft} timed ftdist steps did not commit")
         if label == "target":
-            print(f"    this process (lighthouse + harness) used {cpu_parent * 1e3:.0f} ms CPU "
-                  f"during the target row")
-            targets.append((f"(a) ftdist >= 0.9x plain DDP steps/s ({name}, b{args.batch})",
-                            ratio >= 0.9, f"{ratio:.3f}x"))
+            print(
+                f"    this process (lighthouse + harness) used {cpu_parent * 1e3:.0f} ms CPU "
+                f"during the target row"
+            )
+            targets.append(
+                (
+                    f"(a) ftdist >= 0.9x plain DDP steps/s ({name}, b{args.batch})",
+                    ratio >= 0.9,
+                    f"{ratio:.3f}x",
+                )
+            )
 
 
 def part_failover(args: argparse.Namespace, targets: Targets) -> None:
     print("\n(b) failure detection to next commit: SIGKILL 1 of 2 replica groups mid-allreduce")
-    coord = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=CTL_TIMEOUT)
+    coord = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=CTL_TIMEOUT
+    )
     totals = []
     for rep in range(args.failover_reps):
         prefix = f"failover/{uuid.uuid4().hex[:8]}"
@@ -608,9 +713,22 @@ def part_failover(args: argparse.Namespace, targets: Targets) -> None:
         server = _lighthouse()
         hb = server.config.heartbeat_timeout.total_seconds()
         try:
-            with Ranks(failover_rank, 2, args=(server.address(), coord.port, prefix,
-                                               args.kill_step, args.kill_step + 4, 256, 4, 64,
-                                               args.threads, args.verbose)) as ranks:
+            with Ranks(
+                failover_rank,
+                2,
+                args=(
+                    server.address(),
+                    coord.port,
+                    prefix,
+                    args.kill_step,
+                    args.kill_step + 4,
+                    256,
+                    4,
+                    64,
+                    args.threads,
+                    args.verbose,
+                ),
+            ) as ranks:
                 client.wait(["victim_ready", "survivor_in_backward"], timedelta(seconds=60))
                 # The survivor's backward is now blocked in its gradient
                 # allreduce, waiting for the victim.
@@ -623,10 +741,12 @@ def part_failover(args: argparse.Namespace, targets: Targets) -> None:
         _fail(outcomes[:1], "(b) survivor")
         res = outcomes[0].value
         if rep == 0:
-            print(f"    collective timeout {res['timeout_s']:.0f} s (Manager), "
-                  f"{res['pg_timeout_s']:.0f} s (ProcessGroupGloo); lighthouse heartbeat timeout "
-                  f"{hb:.0f} s; SIGKILL {args.kill_delay * 1e3:.0f} ms after the survivor entered "
-                  "the allreduce; times from time.time() on this host")
+            print(
+                f"    collective timeout {res['timeout_s']:.0f} s (Manager), "
+                f"{res['pg_timeout_s']:.0f} s (ProcessGroupGloo); lighthouse heartbeat timeout "
+                f"{hb:.0f} s; SIGKILL {args.kill_delay * 1e3:.0f} ms after the survivor entered "
+                "the allreduce; times from time.time() on this host"
+            )
         attempts = res["attempts"]
         failed = [a for a in attempts if not a["committed"] and a["t_end"] > t_kill]
         after = [a for a in attempts if a["committed"] and a["t_end"] > t_kill]
@@ -643,15 +763,19 @@ def part_failover(args: argparse.Namespace, targets: Targets) -> None:
             abort = f"allreduce gave up +{f['t_backward'] - t_kill:.3f} s ({why})"
         else:
             abort = "no step failed"
-        print(f"    run {rep + 1}: {abort}; quorum without the victim "
-              f"+{nxt['t_quorum'] - t_kill:.3f} s; next commit (step {nxt['step']}) "
-              f"+{total:.3f} s")
+        print(
+            f"    run {rep + 1}: {abort}; quorum without the victim "
+            f"+{nxt['t_quorum'] - t_kill:.3f} s; next commit (step {nxt['step']}) "
+            f"+{total:.3f} s"
+        )
     del coord
     what = "(b) SIGKILL -> survivor's next commit <= 2 s (median)"
     if totals:
         med = statistics.median(totals)
-        print(f"    SIGKILL -> next commit: median {med:.3f} s over {len(totals)} runs "
-              f"(" + ", ".join(f"{t:.3f}" for t in totals) + ")")
+        print(
+            f"    SIGKILL -> next commit: median {med:.3f} s over {len(totals)} runs "
+            f"(" + ", ".join(f"{t:.3f}" for t in totals) + ")"
+        )
         targets.append((what, med <= 2.0, f"{med:.3f} s"))
     else:
         targets.append((what, False, "no data"))
@@ -666,13 +790,22 @@ def _cold_start() -> float | None:
 
 
 def _replace_once(args: argparse.Namespace) -> dict[str, Any]:
-    coord = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=CTL_TIMEOUT)
+    coord = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=CTL_TIMEOUT
+    )
     prefix = f"replace/{uuid.uuid4().hex[:8]}"
     client = dist.PrefixStore(prefix, coord)
     server = _lighthouse()
-    rargs = (server.address(), coord.port, prefix, args.replace_width, 2, args.batch,
-             args.threads, args.verbose)
+    rargs = (
+        server.address(),
+        coord.port,
+        prefix,
+        args.replace_width,
+        2,
+        args.batch,
+        args.threads,
+        args.verbose,
+    )
 
     def step_of(rank: int) -> int:
         return int(client.get(f"step/{rank}")) if client.check([f"step/{rank}"]) else 0
@@ -713,12 +846,17 @@ def _replace_once(args: argparse.Namespace) -> dict[str, Any]:
         "build": new["t_built"] - new["t_imported"],
         "optim": new["t_optim"] - new["t_built"],
         "manager": new["t_ready"] - new["t_optim"],
-        "quorum": h["quorum_s"], "reconfigure": h["reconfigure_s"],
-        "transfer": h["transfer_s"], "load": h["load_s"],
+        "quorum": h["quorum_s"],
+        "reconfigure": h["reconfigure_s"],
+        "transfer": h["transfer_s"],
+        "load": h["load_s"],
         "rest": new["t_first_commit"] - new["t_ready"] - heal_s,
         "total": new["t_first_commit"] - t0,
-        "bytes": h["transfer_bytes"], "gbps": h["gbps"], "step": h["step"],
-        "state_bytes": new["state_bytes"], "preloaded": new["preloaded"],
+        "bytes": h["transfer_bytes"],
+        "gbps": h["gbps"],
+        "step": h["step"],
+        "state_bytes": new["state_bytes"],
+        "preloaded": new["preloaded"],
         "send_s": sent[0]["transfer_s"] if sent else None,
         "stream_s": new["stream_s"],
     }
@@ -726,11 +864,15 @@ def _replace_once(args: argparse.Namespace) -> dict[str, Any]:
 
 def part_replace(args: argparse.Namespace, targets: Targets) -> None:
     params = n_params(args.replace_width, 2)
-    print(f"\n(c) replacement start -> first committed step: 2x{args.replace_width}x"
-          f"{args.replace_width} MLP, {params / 1e6:.2f}M float32 params + Adam (2 moments) = "
-          f"{3 * params * 4 / 1e6:.1f} MB of state, default HTTPTransport")
-    print("    new process forked by the harness from a fork server that already imported "
-          "torch, torch.distributed, ftdist.process_group and this script")
+    print(
+        f"\n(c) replacement start -> first committed step: 2x{args.replace_width}x"
+        f"{args.replace_width} MLP, {params / 1e6:.2f}M float32 params + Adam (2 moments) = "
+        f"{3 * params * 4 / 1e6:.1f} MB of state, default HTTPTransport"
+    )
+    print(
+        "    new process forked by the harness from a fork server that already imported "
+        "torch, torch.distributed, ftdist.process_group and this script"
+    )
     runs = [_replace_once(args) for _ in range(args.replace_reps)]
     if runs[0]["preloaded"]:
         print("    note: ftdist.manager was already imported in the fork server")
@@ -757,39 +899,61 @@ def part_replace(args: argparse.Namespace, targets: Targets) -> None:
         print(f"    {label:<58} {vals} {med[key] * 1e3:>8.1f} {share:>6}")
     gbps = [r["gbps"] for r in runs]
     print(f"    {'transfer: MB':<58} " + " ".join(f"{r['bytes'] / 1e6:>8.1f}" for r in runs))
-    print(f"    {'transfer: GB/s':<58} " + " ".join(f"{g:>8.2f}" for g in gbps)
-          + f" {statistics.median(gbps):>8.2f}")
+    print(
+        f"    {'transfer: GB/s':<58} "
+        + " ".join(f"{g:>8.2f}" for g in gbps)
+        + f" {statistics.median(gbps):>8.2f}"
+    )
     streams = [r for r in runs if r["stream_s"]]
     if streams:
-        print(f"    {'  of which recv_checkpoint (HTTP stream): ms':<58} "
-              + " ".join(f"{r['stream_s'] * 1e3:>8.1f}" for r in streams))
-        print(f"    {'  stream GB/s (the rest: metadata RPC to the source)':<58} "
-              + " ".join(f"{r['bytes'] / r['stream_s'] / GB:>8.2f}" for r in streams))
+        print(
+            f"    {'  of which recv_checkpoint (HTTP stream): ms':<58} "
+            + " ".join(f"{r['stream_s'] * 1e3:>8.1f}" for r in streams)
+        )
+        print(
+            f"    {'  stream GB/s (the rest: metadata RPC to the source)':<58} "
+            + " ".join(f"{r['bytes'] / r['stream_s'] / GB:>8.2f}" for r in streams)
+        )
     sends = [r["send_s"] for r in runs if r["send_s"] is not None]
     if sends:
-        print(f"    the survivor's send_checkpoint took {statistics.median(sends) * 1e3:.1f} ms "
-              "(HTTP: it publishes its live state; the receiver pulls it)")
+        print(
+            f"    the survivor's send_checkpoint took {statistics.median(sends) * 1e3:.1f} ms "
+            "(HTTP: it publishes its live state; the receiver pulls it)"
+        )
     if args.cold_start:
         cold = _cold_start()
         if cold is not None:
-            print(f"    for reference: a cold `python -c 'import torch, ftdist.manager, ...'` "
-                  f"takes {cold:.2f} s here (not part of the times above)")
+            print(
+                f"    for reference: a cold `python -c 'import torch, ftdist.manager, ...'` "
+                f"takes {cold:.2f} s here (not part of the times above)"
+            )
     others = {key: med[key] for key, _, top in phases if top and key != "start"}
     biggest = max(others, key=lambda key: others[key])
     label = dict((key, lbl) for key, lbl, _ in phases)[biggest]
-    targets.append(("(c) replacement dominated by process start (largest phase)",
-                    med["start"] >= others[biggest],
-                    f"start {med['start'] * 1e3:.0f} of {med['total'] * 1e3:.0f} ms; next: "
-                    f"{label.strip()} {others[biggest] * 1e3:.0f} ms"))
-    targets.append(("(c) heal transfer >= 1 GB/s (median)", statistics.median(gbps) >= 1.0,
-                    f"{statistics.median(gbps):.2f} GB/s"))
+    targets.append(
+        (
+            "(c) replacement dominated by process start (largest phase)",
+            med["start"] >= others[biggest],
+            f"start {med['start'] * 1e3:.0f} of {med['total'] * 1e3:.0f} ms; next: "
+            f"{label.strip()} {others[biggest] * 1e3:.0f} ms",
+        )
+    )
+    targets.append(
+        (
+            "(c) heal transfer >= 1 GB/s (median)",
+            statistics.median(gbps) >= 1.0,
+            f"{statistics.median(gbps):.2f} GB/s",
+        )
+    )
 
 
 def part_transport(args: argparse.Namespace, targets: Targets) -> None:
     n, size = args.transport_tensors, args.transport_tensor_mib * MiB
-    print(f"\n(d) checkpoint transports over loopback, 2 processes: {n} x "
-          f"{args.transport_tensor_mib} MiB = {n * size / GiB:.2f} GiB float32, "
-          f"{args.transport_reps} transfers each, GB/s = 1e9 bytes/s")
+    print(
+        f"\n(d) checkpoint transports over loopback, 2 processes: {n} x "
+        f"{args.transport_tensor_mib} MiB = {n * size / GiB:.2f} GiB float32, "
+        f"{args.transport_reps} transfers each, GB/s = 1e9 bytes/s"
+    )
     with Ranks(transport_rank, 2, args=(n, size, args.transport_reps, (0, 4))) as ranks:
         outcomes = ranks.join(timeout=600)
     _fail(outcomes, "(d)")
@@ -804,55 +968,112 @@ def part_transport(args: argparse.Namespace, targets: Targets) -> None:
         print(f"    {label:<40} {med:>11.2f} {min(rates):>6.2f} {max(rates):>6.2f} {secs:>9.3f}")
         if label in ("HTTPTransport num_chunks=0", "PGTransport (ProcessGroupGloo)"):
             targets.append((f"(d) {label} >= 1 GB/s (median)", med >= 1.0, f"{med:.2f} GB/s"))
-    print(f"    this machine: zlib.crc32 {res['_crc_gbps']:.2f} GB/s; allocating + first touch of "
-          f"fresh memory {res['_touch_gbps']:.2f} GB/s (receivers fill fresh tensors)")
+    print(
+        f"    this machine: zlib.crc32 {res['_crc_gbps']:.2f} GB/s; allocating + first touch of "
+        f"fresh memory {res['_touch_gbps']:.2f} GB/s (receivers fill fresh tensors)"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Recovery benchmark on this machine: (a) per-step overhead of ftdist vs "
-                    "plain torch DDP, (b) failure detection to next commit, (c) replacement "
-                    "start to first commit with ~100 MB of state, (d) checkpoint transport "
-                    "throughput for 1 GiB. Prints; asserts nothing.")
+        "plain torch DDP, (b) failure detection to next commit, (c) replacement "
+        "start to first commit with ~100 MB of state, (d) checkpoint transport "
+        "throughput for 1 GiB. Prints; asserts nothing."
+    )
     parser.add_argument("--quick", action="store_true", help="short smoke run (rough numbers)")
     parser.add_argument("--parts", default="abcd", help="sections to run, e.g. 'ad' (default abcd)")
-    parser.add_argument("--verbose", action="store_true",
-                        help="let ftdist log its warnings (errors recorded, failure news)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads per rank process (default 1: 2 ranks on 2 cores)")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="let ftdist log its warnings (errors recorded, failure news)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per rank process (default 1: 2 ranks on 2 cores)",
+    )
     parser.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
-    parser.add_argument("--width", type=int, default=1024,
-                        help="(a) width of the target-row MLP (default 1024)")
-    parser.add_argument("--depth", type=int, default=4,
-                        help="(a) depth of the target-row MLP (default 4: 4.2M params)")
-    parser.add_argument("--warmup", type=int, default=None,
-                        help="(a) warm-up steps per impl, twice (default 10, quick 3)")
-    parser.add_argument("--block-s", type=float, default=0.25,
-                        help="(a) target seconds of one block of steps (default 0.25)")
-    parser.add_argument("--overhead-seconds", type=float, default=None,
-                        help="(a) timed seconds, target row (default 75, quick 4)")
-    parser.add_argument("--mid-seconds", type=float, default=None,
-                        help="(a) timed seconds, 4x512 row; 0 skips it (default 12, quick 0)")
-    parser.add_argument("--tiny-seconds", type=float, default=None,
-                        help="(a) timed seconds, 2x32 row; 0 skips it (default 8, quick 2)")
-    parser.add_argument("--failover-reps", type=int, default=None,
-                        help="(b) runs (default 3, quick 1)")
+    parser.add_argument(
+        "--width", type=int, default=1024, help="(a) width of the target-row MLP (default 1024)"
+    )
+    parser.add_argument(
+        "--depth",
+        type=int,
+        default=4,
+        help="(a) depth of the target-row MLP (default 4: 4.2M params)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="(a) warm-up steps per impl, twice (default 10, quick 3)",
+    )
+    parser.add_argument(
+        "--block-s",
+        type=float,
+        default=0.25,
+        help="(a) target seconds of one block of steps (default 0.25)",
+    )
+    parser.add_argument(
+        "--overhead-seconds",
+        type=float,
+        default=None,
+        help="(a) timed seconds, target row (default 75, quick 4)",
+    )
+    parser.add_argument(
+        "--mid-seconds",
+        type=float,
+        default=None,
+        help="(a) timed seconds, 4x512 row; 0 skips it (default 12, quick 0)",
+    )
+    parser.add_argument(
+        "--tiny-seconds",
+        type=float,
+        default=None,
+        help="(a) timed seconds, 2x32 row; 0 skips it (default 8, quick 2)",
+    )
+    parser.add_argument(
+        "--failover-reps", type=int, default=None, help="(b) runs (default 3, quick 1)"
+    )
     parser.add_argument("--kill-step", type=int, default=5, help="(b) step killed (default 5)")
-    parser.add_argument("--kill-delay", type=float, default=0.2,
-                        help="(b) seconds from the survivor entering the allreduce to the "
-                             "SIGKILL (default 0.2)")
-    parser.add_argument("--replace-width", type=int, default=2048,
-                        help="(c) width of the 2-layer MLP (default 2048: 8.39M params)")
-    parser.add_argument("--replace-reps", type=int, default=None,
-                        help="(c) runs (default 3, quick 1)")
-    parser.add_argument("--no-cold-start", dest="cold_start", action="store_false",
-                        help="(c) skip timing a cold interpreter start")
-    parser.add_argument("--transport-tensors", type=int, default=None,
-                        help="(d) number of tensors (default 64, quick 16)")
-    parser.add_argument("--transport-tensor-mib", type=int, default=16,
-                        help="(d) MiB per tensor (default 16)")
-    parser.add_argument("--transport-reps", type=int, default=None,
-                        help="(d) transfers per transport (default 7, quick 1)")
+    parser.add_argument(
+        "--kill-delay",
+        type=float,
+        default=0.2,
+        help="(b) seconds from the survivor entering the allreduce to the SIGKILL (default 0.2)",
+    )
+    parser.add_argument(
+        "--replace-width",
+        type=int,
+        default=2048,
+        help="(c) width of the 2-layer MLP (default 2048: 8.39M params)",
+    )
+    parser.add_argument(
+        "--replace-reps", type=int, default=None, help="(c) runs (default 3, quick 1)"
+    )
+    parser.add_argument(
+        "--no-cold-start",
+        dest="cold_start",
+        action="store_false",
+        help="(c) skip timing a cold interpreter start",
+    )
+    parser.add_argument(
+        "--transport-tensors",
+        type=int,
+        default=None,
+        help="(d) number of tensors (default 64, quick 16)",
+    )
+    parser.add_argument(
+        "--transport-tensor-mib", type=int, default=16, help="(d) MiB per tensor (default 16)"
+    )
+    parser.add_argument(
+        "--transport-reps",
+        type=int,
+        default=None,
+        help="(d) transfers per transport (default 7, quick 1)",
+    )
     args = parser.parse_args(argv)
     quick = args.quick
 
@@ -883,12 +1104,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print("ftdist recovery benchmark" + (" (--quick: rough numbers)" if quick else ""))
     print(_machine())
-    print(f"ftdist {os.path.dirname(ftdist.__file__)}; ranks: ftdist.launch.ranks.Ranks (forkserver "
-          f"children); lighthouse in this process; start {_load()}")
+    print(
+        f"ftdist {os.path.dirname(ftdist.__file__)}; ranks: ftdist.launch.ranks.Ranks (forkserver "
+        f"children); lighthouse in this process; start {_load()}"
+    )
     targets: Targets = []
     start = time.monotonic()
-    for letter, fn in (("a", part_overhead), ("b", part_failover), ("c", part_replace),
-                       ("d", part_transport)):
+    for letter, fn in (
+        ("a", part_overhead),
+        ("b", part_failover),
+        ("c", part_replace),
+        ("d", part_transport),
+    ):
         if letter in parts:
             t = time.monotonic()
             fn(args, targets)

@@ -62,11 +62,16 @@ def main() -> None:
     # reconfigurable group spans the replica groups. torchrun keeps its store
     # across restarts, so each attempt uses fresh keys: a restarted worker
     # must not read the addresses of the workers it replaces.
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False
+    )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"train_ddp/{attempt}", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"train_ddp/{attempt}", store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
     torch.manual_seed(0)  # the same start everywhere (init_sync would align it anyway)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -76,9 +81,14 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1234)
     x_all = torch.randn(4096, 16, generator=gen)
     y_all = x_all @ torch.randn(16, 1, generator=gen) + 0.1 * torch.randn(4096, 1, generator=gen)
-    sampler = DistributedSampler(TensorDataset(x_all, y_all), replica_rank=group_id,
-                                 num_replica_groups=num_groups, shuffle=True, seed=0,
-                                 drop_last=True)
+    sampler = DistributedSampler(
+        TensorDataset(x_all, y_all),
+        replica_rank=group_id,
+        num_replica_groups=num_groups,
+        shuffle=True,
+        seed=0,
+        drop_last=True,
+    )
     batch_size = 32
     per_epoch = len(sampler) // batch_size
 
@@ -87,7 +97,7 @@ def main() -> None:
         # reads step s's batch without saving a data-loader position.
         epoch, i = divmod(step, per_epoch)
         sampler.set_epoch(epoch)
-        rows = list(sampler)[i * batch_size:(i + 1) * batch_size]
+        rows = list(sampler)[i * batch_size : (i + 1) * batch_size]
         return x_all[rows], y_all[rows]
 
     def load_state_dict(sd: dict) -> None:
@@ -96,9 +106,11 @@ def main() -> None:
 
     pg = ProcessGroupGloo()
     manager = Manager(
-        pg=pg, load_state_dict=load_state_dict,
+        pg=pg,
+        load_state_dict=load_state_dict,
         state_dict=lambda: {"model": model.state_dict(), "optim": optim.state_dict()},
-        min_replica_size=1, replica_id=f"train_ddp_{group_id}",
+        min_replica_size=1,
+        replica_id=f"train_ddp_{group_id}",
     )
     ddp = DistributedDataParallel(manager, model)
     optimizer = OptimizerWrapper(manager, optim)
@@ -107,11 +119,11 @@ def main() -> None:
         x, y = batch(manager.current_step())
         optimizer.zero_grad()  # joins this step's quorum; heals in the background if behind
         loss = nn.functional.mse_loss(ddp(x), y)
-        loss.backward()        # averaged over the live replica groups
+        loss.backward()  # averaged over the live replica groups
         for grad in [p.grad for p in model.parameters() if p.grad is not None]:
             dist.all_reduce(grad)  # then over this group's ranks
             grad /= dist.get_world_size()
-        optimizer.step()       # applied only if every rank of the group commits
+        optimizer.step()  # applied only if every rank of the group commits
 
     # Leave together: a group that exits while a peer still finishes its last
     # step looks like a failure to that peer. This quorum changes nothing but
@@ -119,8 +131,10 @@ def main() -> None:
     manager.start_quorum(allow_heal=False, shrink_only=True)
     manager.wait_quorum()
     # One write per line, so that lines of ranks sharing a terminal never interleave.
-    sys.stdout.write(f"replica group {group_id} rank {dist.get_rank()}: step "
-                     f"{manager.current_step()} sha256 {state_sha256(model, optim)}\n")
+    sys.stdout.write(
+        f"replica group {group_id} rank {dist.get_rank()}: step "
+        f"{manager.current_step()} sha256 {state_sha256(model, optim)}\n"
+    )
     sys.stdout.flush()
     manager.shutdown()
     pg.shutdown()

@@ -86,15 +86,24 @@ def _run_bounded(argv: Sequence[str], deadline: float, env: dict[str, str]) -> t
     if remaining <= 0:
         raise _TimedOut(f"no time left for {' '.join(argv)}")
     # Its own process group, so a timeout also stops the dpkg it started.
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env=env, start_new_session=True, text=True)
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+        text=True,
+    )
     try:
         out, _ = proc.communicate(timeout=remaining)
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        raise _TimedOut(f"{' '.join(argv)} timed out after {remaining:.0f} s: {_tail(out)}") from None
+        raise _TimedOut(
+            f"{' '.join(argv)} timed out after {remaining:.0f} s: {_tail(out)}"
+        ) from None
     return proc.returncode, out
 
 
@@ -125,8 +134,17 @@ def install_chromium(apt_get: str = "apt-get", timeout: float = INSTALL_TIMEOUT)
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     deadline = time.monotonic() + timeout
     # Wait for, rather than fail on, another apt that holds the lock.
-    install = [*prefix, apt, "-o", "DPkg::Lock::Timeout=60", "install", "-y", "-q",
-               "--no-install-recommends", "chromium"]
+    install = [
+        *prefix,
+        apt,
+        "-o",
+        "DPkg::Lock::Timeout=60",
+        "install",
+        "-y",
+        "-q",
+        "--no-install-recommends",
+        "chromium",
+    ]
     update = [*prefix, apt, "-o", "DPkg::Lock::Timeout=60", "update", "-q"]
     try:
         code, out = _run_bounded(install, deadline, env)
@@ -231,8 +249,14 @@ class Chromium:
             env = dict(os.environ, HOME=profile)
             env[_RUN_MARKER] = token
             argv = [self.executable, *_FLAGS, f"--user-data-dir={profile}", *args, url]
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, env=env, start_new_session=True)
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=env,
+                start_new_session=True,
+            )
             try:
                 out, err = proc.communicate(timeout=self.timeout)
             except subprocess.TimeoutExpired:
@@ -257,11 +281,17 @@ class Chromium:
         """
         return self.run(url, f"--virtual-time-budget={wait_ms}", "--dump-dom")
 
-    def screenshot(self, url: str, path: Path, size: tuple[int, int] = (1280, 900),
-                   wait_ms: int = 5000) -> None:
+    def screenshot(
+        self, url: str, path: Path, size: tuple[int, int] = (1280, 900), wait_ms: int = 5000
+    ) -> None:
         """Save what the window shows after ``wait_ms`` of virtual time as a PNG."""
-        self.run(url, f"--virtual-time-budget={wait_ms}", f"--window-size={size[0]},{size[1]}",
-                 "--force-device-scale-factor=1", f"--screenshot={path}")
+        self.run(
+            url,
+            f"--virtual-time-budget={wait_ms}",
+            f"--window-size={size[0]},{size[1]}",
+            "--force-device-scale-factor=1",
+            f"--screenshot={path}",
+        )
 
 
 def png_size(data: bytes) -> tuple[int, int]:
@@ -295,8 +325,11 @@ class Element:
     def text(self) -> str:
         """The text inside, whitespace collapsed and ``hidden`` elements left
         out: roughly what a person reads."""
-        parts = [c if isinstance(c, str) else c.text for c in self.children
-                 if isinstance(c, str) or "hidden" not in c.attrs]
+        parts = [
+            c if isinstance(c, str) else c.text
+            for c in self.children
+            if isinstance(c, str) or "hidden" not in c.attrs
+        ]
         return " ".join(" ".join(parts).split())
 
     def iter(self) -> Iterator[Element]:
@@ -316,8 +349,21 @@ class Element:
 
 
 # Elements that never have an end tag.
-_VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta",
-         "source", "track", "wbr"}
+_VOID = {
+    "area",
+    "base",
+    "br",
+    "col",
+    "embed",
+    "hr",
+    "img",
+    "input",
+    "link",
+    "meta",
+    "source",
+    "track",
+    "wbr",
+}
 
 
 class _TreeBuilder(html.parser.HTMLParser):

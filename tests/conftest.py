@@ -24,16 +24,22 @@ def _session_processes() -> set[int | None]:
     """The fork server and multiprocessing's resource tracker: process-wide caches."""
     from multiprocessing import forkserver, resource_tracker
 
-    return {getattr(forkserver._forkserver, "_forkserver_pid", None),
-            getattr(resource_tracker._resource_tracker, "_pid", None)}
+    return {
+        getattr(forkserver._forkserver, "_forkserver_pid", None),
+        getattr(resource_tracker._resource_tracker, "_pid", None),
+    }
 
 
 def _threads() -> set[threading.Thread]:
     # "(_serve)" is multiprocessing's resource sharer, which hands shared
     # memory file descriptors to Baby children for the rest of the session.
-    return {t for t in threading.enumerate()
-            if t is not threading.main_thread() and not t.name.startswith(_SESSION_THREADS)
-            and not t.name.endswith("(_serve)")}
+    return {
+        t
+        for t in threading.enumerate()
+        if t is not threading.main_thread()
+        and not t.name.startswith(_SESSION_THREADS)
+        and not t.name.endswith("(_serve)")
+    }
 
 
 @pytest.fixture(autouse=True)
@@ -65,8 +71,9 @@ def lighthouse_factory() -> Iterator[Any]:
     servers: list[Any] = []
 
     def start(min_replicas: int = 1, join_timeout_ms: int = 200, **kwargs: Any) -> Any:
-        server = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas,
-                                  join_timeout_ms=join_timeout_ms, **kwargs)
+        server = LighthouseServer(
+            bind="127.0.0.1:0", min_replicas=min_replicas, join_timeout_ms=join_timeout_ms, **kwargs
+        )
         servers.append(server)
         return server
 

@@ -17,8 +17,9 @@ SECOND = timedelta(seconds=1)
 MILLISECOND = timedelta(milliseconds=1)
 
 
-def as_timedelta(value: object, name: str, *, unit: timedelta = SECOND,
-                 allow_zero: bool = False) -> timedelta:
+def as_timedelta(
+    value: object, name: str, *, unit: timedelta = SECOND, allow_zero: bool = False
+) -> timedelta:
     """Read a duration given as a ``timedelta`` or as a number of ``unit``.
 
     Args:
@@ -40,8 +41,7 @@ def as_timedelta(value: object, name: str, *, unit: timedelta = SECOND,
         td = unit * float(value)
     else:
         what = "seconds" if unit == SECOND else "milliseconds" if unit == MILLISECOND else unit
-        raise TypeError(f"{name} must be a datetime.timedelta or a number of {what}, "
-                        f"got {value!r}")
+        raise TypeError(f"{name} must be a datetime.timedelta or a number of {what}, got {value!r}")
     if td < timedelta(0) or (td == timedelta(0) and not allow_zero):
         bound = "must not be negative" if allow_zero else "must be positive"
         raise ValueError(f"{name} {bound}, got {td}")

@@ -21,4 +21,4 @@ def forkserver_context() -> mp.context.ForkServerContext:
     ctx = mp.get_context("forkserver")
     # Read when the fork server first starts; harmless to repeat.
     ctx.set_forkserver_preload(PRELOAD)
-    return ctx  # type: ignore[return-value]
+    return ctx

@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 from torch.utils.data import distributed as torch_distributed
 
 
-class DistributedSampler(torch_distributed.DistributedSampler):
+class DistributedSampler(torch_distributed.DistributedSampler[Any]):
     """A ``DistributedSampler`` over every rank of every replica group.
 
     Args:
@@ -36,9 +36,15 @@ class DistributedSampler(torch_distributed.DistributedSampler):
         ValueError: a rank or count is out of range.
     """
 
-    def __init__(self, dataset: Dataset, replica_rank: int, num_replica_groups: int,
-                 group_rank: int | None = None, num_replicas: int | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        replica_rank: int,
+        num_replica_groups: int,
+        group_rank: int | None = None,
+        num_replicas: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         initialized = dist.is_available() and dist.is_initialized()
         if group_rank is None:
             group_rank = dist.get_rank() if initialized else 0
@@ -47,10 +53,13 @@ class DistributedSampler(torch_distributed.DistributedSampler):
         if num_replica_groups < 1:
             raise ValueError(f"num_replica_groups must be >= 1, got {num_replica_groups}")
         if not 0 <= replica_rank < num_replica_groups:
-            raise ValueError(f"replica_rank must be in [0, {num_replica_groups}), got {replica_rank}")
+            raise ValueError(
+                f"replica_rank must be in [0, {num_replica_groups}), got {replica_rank}"
+            )
         if num_replicas < 1 or not 0 <= group_rank < num_replicas:
             raise ValueError(f"group_rank must be in [0, {num_replicas}), got {group_rank}")
         self.global_rank = group_rank + num_replicas * replica_rank
         self.global_world_size = num_replicas * num_replica_groups
-        super().__init__(dataset, num_replicas=self.global_world_size, rank=self.global_rank,
-                         **kwargs)
+        super().__init__(
+            dataset, num_replicas=self.global_world_size, rank=self.global_rank, **kwargs
+        )

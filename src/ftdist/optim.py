@@ -55,8 +55,9 @@ class OptimizerWrapper(Optimizer):
             ValueError: a closure was given (not supported).
         """
         if closure is not None:
-            raise ValueError("OptimizerWrapper does not support closures; compute the loss "
-                             "before calling step()")
+            raise ValueError(
+                "OptimizerWrapper does not support closures; compute the loss before calling step()"
+            )
         if self.manager.should_commit():
             self.optim.step()
 
@@ -69,5 +70,3 @@ class OptimizerWrapper(Optimizer):
     def state(self) -> Any:  # type: ignore[override]
         """The wrapped optimizer's state."""
         return self.optim.state
-
-

@@ -14,8 +14,10 @@ from ftdist.launch.ranks import RankContext, Ranks, run_ranks
 pytestmark = [
     pytest.mark.gpu,
     # Two ranks need two devices: NCCL refuses two ranks on one GPU.
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                       reason="needs CUDA with at least 2 GPUs"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+        reason="needs CUDA with at least 2 GPUs",
+    ),
 ]
 
 

@@ -23,6 +23,7 @@ def check(name: str) -> Callable[[Check], Check]:
     def deco(fn: Check) -> Check:
         CHECKS[name] = fn
         return fn
+
     return deco
 
 
@@ -38,11 +39,17 @@ def _close(got: torch.Tensor, want: float | torch.Tensor) -> None:
 def _reduce(op: dist.ReduceOp, name: str) -> None:
     def fn(pg: dist.ProcessGroup, rank: int, ws: int) -> None:
         vals = [float(r + 1) for r in range(ws)]
-        want = {"SUM": sum(vals), "AVG": sum(vals) / ws, "MIN": min(vals), "MAX": max(vals),
-                "PRODUCT": float(torch.tensor(vals).prod())}[name]
+        want = {
+            "SUM": sum(vals),
+            "AVG": sum(vals) / ws,
+            "MIN": min(vals),
+            "MAX": max(vals),
+            "PRODUCT": float(torch.tensor(vals).prod()),
+        }[name]
         t = _val(rank)
         dist.all_reduce(t, op=op, group=pg)
         _close(t, want)
+
     CHECKS[f"all_reduce ({name})"] = fn
 
 
@@ -221,8 +228,10 @@ def _isend_irecv(pg: dist.ProcessGroup, rank: int, ws: int) -> None:
 def _batch(pg: dist.ProcessGroup, rank: int, ws: int) -> None:
     right, left = (rank + 1) % ws, (rank - 1) % ws
     got = torch.zeros(4)
-    ops = [dist.P2POp(dist.irecv, got, group=pg, group_peer=left),
-           dist.P2POp(dist.isend, _val(rank), group=pg, group_peer=right)]
+    ops = [
+        dist.P2POp(dist.irecv, got, group=pg, group_peer=left),
+        dist.P2POp(dist.isend, _val(rank), group=pg, group_peer=right),
+    ]
     for w in dist.batch_isend_irecv(ops):
         w.wait()
     _close(got, left + 1)

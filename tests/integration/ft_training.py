@@ -60,8 +60,9 @@ def _die_while_serving(ctx: RankContext, manager: Any) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _replica_store(ctx: RankContext, replica: int, group_rank: int, attempt: int
-                   ) -> tuple[dist.TCPStore | None, int]:
+def _replica_store(
+    ctx: RankContext, replica: int, group_rank: int, attempt: int
+) -> tuple[dist.TCPStore | None, int]:
     harness = ctx.store()
     key = f"replica{replica}/attempt{attempt}/store_port"
     if group_rank == 0:
@@ -71,9 +72,16 @@ def _replica_store(ctx: RankContext, replica: int, group_rank: int, attempt: int
     return None, int(harness.get(key))
 
 
-def train(ctx: RankContext, lighthouse: str, group_size: int, steps: int,
-          actions_by_rank: dict[int, dict[str, Any]] | None = None, attempt: int = 0,
-          pg_kind: str = "gloo", transport: str = "http") -> dict[str, Any]:
+def train(
+    ctx: RankContext,
+    lighthouse: str,
+    group_size: int,
+    steps: int,
+    actions_by_rank: dict[int, dict[str, Any]] | None = None,
+    attempt: int = 0,
+    pg_kind: str = "gloo",
+    transport: str = "http",
+) -> dict[str, Any]:
     """Train until ``steps`` steps are committed; return what the test checks.
 
     ``actions_by_rank[rank]``: ``{"die_at_step": n}`` SIGKILLs this process once the manager
@@ -90,7 +98,9 @@ def train(ctx: RankContext, lighthouse: str, group_size: int, steps: int,
     if os.environ.get("FTDIST_LOG"):
         import logging
 
-        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s r{ctx.rank} %(name)s: %(message)s")
+        logging.basicConfig(
+            level=logging.INFO, format=f"%(asctime)s r{ctx.rank} %(name)s: %(message)s"
+        )
     replica, group_rank = divmod(ctx.rank, group_size)
     own_store, port = _replica_store(ctx, replica, group_rank, attempt)
     model, optim = model_and_optim(seed=100 * replica + 7 * attempt + group_rank)
@@ -116,12 +126,23 @@ def train(ctx: RankContext, lighthouse: str, group_size: int, steps: int,
 
     committed: list[int] = []
     manager = Manager(
-        pg=pg, load_state_dict=load,
-        state_dict=lambda: {"model": model.state_dict(), "optim": optim.state_dict(),
-                            "ballast": ballast},
-        min_replica_size=1, replica_id=f"replica{replica}", lighthouse_addr=lighthouse,
-        rank=group_rank, world_size=group_size, store_addr="127.0.0.1", store_port=port,
-        hostname="127.0.0.1", timeout=timeout, quorum_timeout=timedelta(seconds=30),
+        pg=pg,
+        load_state_dict=load,
+        state_dict=lambda: {
+            "model": model.state_dict(),
+            "optim": optim.state_dict(),
+            "ballast": ballast,
+        },
+        min_replica_size=1,
+        replica_id=f"replica{replica}",
+        lighthouse_addr=lighthouse,
+        rank=group_rank,
+        world_size=group_size,
+        store_addr="127.0.0.1",
+        store_port=port,
+        hostname="127.0.0.1",
+        timeout=timeout,
+        quorum_timeout=timedelta(seconds=30),
         connect_timeout=timedelta(seconds=10),
         checkpoint_transport=PGTransport(pg, timeout) if transport == "pg" else None,
         max_retries=actions.get("max_retries"),
@@ -192,9 +213,14 @@ def train(ctx: RankContext, lighthouse: str, group_size: int, steps: int,
                 break
             time.sleep(0.05)
         return {
-            "replica": replica, "group_rank": group_rank, "hash": state_hash(model, optim),
-            "step": manager.current_step(), "batches": manager.batches_committed(),
-            "committed": committed, "attempts": attempts, "commit_times": commit_times,
+            "replica": replica,
+            "group_rank": group_rank,
+            "hash": state_hash(model, optim),
+            "step": manager.current_step(),
+            "batches": manager.batches_committed(),
+            "committed": committed,
+            "attempts": attempts,
+            "commit_times": commit_times,
             "errors": errors,
             "heals": [t.as_dict() for t in manager.heal_timelines],
         }

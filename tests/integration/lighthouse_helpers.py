@@ -32,7 +32,9 @@ class Lighthouses:
         self.servers.append(server)
         return server
 
-    def client(self, server_or_addr: LighthouseServer | str, connect_timeout: float = 10.0) -> LighthouseClient:
+    def client(
+        self, server_or_addr: LighthouseServer | str, connect_timeout: float = 10.0
+    ) -> LighthouseClient:
         addr = server_or_addr if isinstance(server_or_addr, str) else server_or_addr.address()
         client = LighthouseClient(addr, connect_timeout)
         self.clients.append(client)
@@ -86,7 +88,9 @@ def get_json(url: str) -> Any:
 class Heartbeater:
     """Heartbeats some replica ids from a thread until stopped."""
 
-    def __init__(self, client: LighthouseClient, replica_ids: list[str], period: float = 0.05) -> None:
+    def __init__(
+        self, client: LighthouseClient, replica_ids: list[str], period: float = 0.05
+    ) -> None:
         self._client = client
         self._ids = list(replica_ids)
         self._period = period

@@ -21,10 +21,17 @@ def _state(seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(64, 33, generator=g)
     return {
-        "model": {"w": weight, "w_t": weight.t(), "b": torch.randn(33, generator=g).to(torch.bfloat16),
-                  "empty": torch.empty(0, 3), "scalar": torch.tensor(3.5, dtype=torch.float64)},
-        "optim": {"state": {0: {"step": torch.tensor(7), "exp_avg": torch.randn(10, generator=g)}},
-                  "param_groups": [{"lr": 0.1, "params": [0]}]},
+        "model": {
+            "w": weight,
+            "w_t": weight.t(),
+            "b": torch.randn(33, generator=g).to(torch.bfloat16),
+            "empty": torch.empty(0, 3),
+            "scalar": torch.tensor(3.5, dtype=torch.float64),
+        },
+        "optim": {
+            "state": {0: {"step": torch.tensor(7), "exp_avg": torch.randn(10, generator=g)}},
+            "param_groups": [{"lr": 0.1, "params": [0]}],
+        },
         "torchft": {"step": 7, "batches_committed": 14},
         "note": "non-tensor leaves travel too",
     }
@@ -81,7 +88,8 @@ def test_http_chunks_in_parallel() -> None:
 
 @pytest.mark.timeout(30)
 def test_http_refuses_wrong_step_and_unpublished_state(
-        transports: tuple[HTTPTransport, HTTPTransport]) -> None:
+    transports: tuple[HTTPTransport, HTTPTransport],
+) -> None:
     src, dst = transports
     src.send_checkpoint([1], 5, _state(), TIMEOUT)
     with pytest.raises(CheckpointError, match="serving the checkpoint of step 5, not step 6"):
@@ -104,8 +112,11 @@ def _serve_raw(payload: bytes, content_length: int) -> tuple[str, threading.Thre
         conn, _ = server.accept()
         with conn:
             conn.recv(65536)
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"
-                         + f"Content-Length: {content_length}\r\n\r\n".encode() + payload)
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"
+                + f"Content-Length: {content_length}\r\n\r\n".encode()
+                + payload
+            )
 
     thread = threading.Thread(target=answer, daemon=True)
     thread.start()
@@ -120,7 +131,8 @@ def _stream(state: dict, step: int) -> bytes:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("damage", ["flip", "truncate", "wrong-step"])
 def test_http_detects_corruption_truncation_and_wrong_step(
-        transports: tuple[HTTPTransport, HTTPTransport], damage: str) -> None:
+    transports: tuple[HTTPTransport, HTTPTransport], damage: str
+) -> None:
     _, dst = transports
     payload = bytearray(_stream(_state(), 9 if damage != "wrong-step" else 8))
     length = len(payload)
@@ -130,8 +142,11 @@ def test_http_detects_corruption_truncation_and_wrong_step(
         payload = payload[: len(payload) - 100]
     url, thread, server = _serve_raw(bytes(payload), length)
     try:
-        expected = {"flip": "is corrupt", "truncate": "truncated",
-                    "wrong-step": "refusing checkpoint of step 8"}[damage]
+        expected = {
+            "flip": "is corrupt",
+            "truncate": "truncated",
+            "wrong-step": "refusing checkpoint of step 8",
+        }[damage]
         with pytest.raises(CheckpointError, match=expected):
             dst.recv_checkpoint(0, url, 9, TIMEOUT)
     finally:
@@ -141,13 +156,15 @@ def test_http_detects_corruption_truncation_and_wrong_step(
 
 @pytest.mark.timeout(30)
 def test_disallow_waits_for_a_transfer_in_flight(
-        transports: tuple[HTTPTransport, HTTPTransport]) -> None:
+    transports: tuple[HTTPTransport, HTTPTransport],
+) -> None:
     src, dst = transports
     big = {"w": torch.randn(8 << 20)}  # 32 MiB: the transfer takes a while
     src.send_checkpoint([1], 1, big, TIMEOUT)
     result: dict = {}
-    fetch = threading.Thread(target=lambda: result.update(
-        got=dst.recv_checkpoint(0, src.metadata(), 1, TIMEOUT)))
+    fetch = threading.Thread(
+        target=lambda: result.update(got=dst.recv_checkpoint(0, src.metadata(), 1, TIMEOUT))
+    )
     fetch.start()
     while src._lock._readers == 0 and fetch.is_alive():
         pass

@@ -84,8 +84,10 @@ def test_every_collective_with_three_ranks() -> None:
 
 
 def _table(outcomes: dict[str, list[dict[str, str | None]]]) -> str:
-    lines = ["| torch.distributed function | " + " | ".join(f"ftdist {k}" for k in KINDS) + " |",
-             "|---|" + "---|" * len(KINDS)]
+    lines = [
+        "| torch.distributed function | " + " | ".join(f"ftdist {k}" for k in KINDS) + " |",
+        "|---|" + "---|" * len(KINDS),
+    ]
     for name in CHECKS:
         cells = []
         for kind in KINDS:

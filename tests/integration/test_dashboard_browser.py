@@ -30,8 +30,14 @@ def _form_quorums(server: LighthouseServer, lh: Lighthouses) -> None:
     client = lh.client(server)
 
     def join(rid: str, step: int) -> None:
-        client.quorum(rid, TIMEOUT, address=f"http://{rid}.example:29510",
-                      store_address=f"{rid}.example:29500", step=step, world_size=8)
+        client.quorum(
+            rid,
+            TIMEOUT,
+            address=f"http://{rid}.example:29510",
+            store_address=f"{rid}.example:29500",
+            step=step,
+            world_size=8,
+        )
 
     with pool(3) as executor:
         for future in [executor.submit(join, rid, 0) for rid in ("trainer-a", "trainer-b")]:
@@ -39,9 +45,13 @@ def _form_quorums(server: LighthouseServer, lh: Lighthouses) -> None:
         # The newcomer asks first: once every previous member asks again the
         # quorum forms at once (fast quorum), with whoever is waiting by then.
         late = executor.submit(join, "trainer-c", 0)
-        wait_until(lambda: any(w["replica_id"] == "trainer-c" for w in
-                               get_json(f"{server.dashboard_address()}/status.json")["waiting"]),
-                   what="trainer-c waiting for a quorum")
+        wait_until(
+            lambda: any(
+                w["replica_id"] == "trainer-c"
+                for w in get_json(f"{server.dashboard_address()}/status.json")["waiting"]
+            ),
+            what="trainer-c waiting for a quorum",
+        )
         futures = [executor.submit(join, rid, 40) for rid in ("trainer-a", "trainer-b")]
         for future in [late, *futures]:
             future.result(TIMEOUT)

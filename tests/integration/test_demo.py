@@ -33,8 +33,12 @@ class DemoProcess:
         self.out = out
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ftdist.cli", "demo", "--out", str(out), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-            start_new_session=True)
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
 
     def finish(self, timeout: float) -> tuple[int, str]:
         stdout, _ = self.proc.communicate(timeout=timeout)
@@ -146,8 +150,16 @@ def test_ctrl_c_stops_everything_and_still_reports(demo: Any) -> None:
 @pytest.mark.timeout(180)
 def test_baseline_on_an_existing_lighthouse(demo: Any, lighthouse_factory: Any) -> None:
     server = lighthouse_factory(heartbeat_timeout_ms=2000, join_timeout_ms=100)
-    run = demo("--no-failures", "--baseline", "--replicas", "2", "--duration", "6",
-               "--lighthouse", server.address())
+    run = demo(
+        "--no-failures",
+        "--baseline",
+        "--replicas",
+        "2",
+        "--duration",
+        "6",
+        "--lighthouse",
+        server.address(),
+    )
     code, stdout = run.finish(timeout=150)
     assert code == 0, stdout
     assert f"lighthouse: {server.address()} (joined" in stdout
@@ -194,8 +206,9 @@ def test_no_replica_outlives_a_killed_demo(demo: Any) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_replica_late_for_the_last_steps_still_ends_identical(tmp_path: Path,
-                                                                lighthouse_factory: Any) -> None:
+def test_a_replica_late_for_the_last_steps_still_ends_identical(
+    tmp_path: Path, lighthouse_factory: Any
+) -> None:
     """A replica hung while the others reach the stop step heals to it afterwards.
 
     The others finish while it is stopped; they keep joining quorum rounds
@@ -208,8 +221,14 @@ def test_a_replica_late_for_the_last_steps_still_ends_identical(tmp_path: Path,
     server = lighthouse_factory(min_replicas=2, heartbeat_timeout_ms=1000, join_timeout_ms=100)
     events = tmp_path / "events"
     events.mkdir()
-    cfg = WorkerConfig(lighthouse=server.address(), events_dir=str(events), seed=1,
-                       replicas=3, run="late-", step_interval_s=0.05)
+    cfg = WorkerConfig(
+        lighthouse=server.address(),
+        events_dir=str(events),
+        seed=1,
+        replicas=3,
+        run="late-",
+        step_interval_s=0.05,
+    )
     stop = 40
 
     def last_step(replica: int) -> int:
@@ -220,8 +239,10 @@ def test_a_replica_late_for_the_last_steps_still_ends_identical(tmp_path: Path,
     with Ranks(replica_main, 3, args=(cfg, 0)) as ranks:
         ranks.parent_store().set(STOP_KEY, str(stop))
         deadline = time.monotonic() + 60
-        while not all((events / f"replica{r}.attempt0.jsonl").exists() for r in range(3)) \
-                or last_step(2) < 10:
+        while (
+            not all((events / f"replica{r}.attempt0.jsonl").exists() for r in range(3))
+            or last_step(2) < 10
+        ):
             assert time.monotonic() < deadline, "replica 2 never reached step 10"
             time.sleep(0.05)
         ranks.signal(2, signal.SIGSTOP)
@@ -238,6 +259,9 @@ def test_a_replica_late_for_the_last_steps_still_ends_identical(tmp_path: Path,
         finals += [json.loads(line) for line in lines if '"final"' in line]
     assert [f["step"] for f in finals] == [stop] * 3
     assert len({f["hash"] for f in finals}) == 1
-    heals = [json.loads(line) for line in
-             (events / "replica2.attempt0.jsonl").read_text().splitlines() if '"heal"' in line]
+    heals = [
+        json.loads(line)
+        for line in (events / "replica2.attempt0.jsonl").read_text().splitlines()
+        if '"heal"' in line
+    ]
     assert any(h["role"] == "receive" and h["step"] == stop for h in heals), heals

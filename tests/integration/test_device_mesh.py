@@ -25,11 +25,18 @@ def _mesh(ctx: RankContext) -> tuple[tuple[str, ...], list[int], bool, float, fl
         extended = extend_device_mesh(mesh, ft, name="dp", dim=0)
         # DeviceMesh-based collectives find the ftdist group by dimension name.
         via_dim = funcol.wait_tensor(
-            funcol.all_reduce(torch.full((2,), float(ctx.rank + 1)), "sum", (extended, 0)))
+            funcol.all_reduce(torch.full((2,), float(ctx.rank + 1)), "sum", (extended, 0))
+        )
         via_shard = funcol.wait_tensor(
-            funcol.all_reduce(torch.full((2,), float(ctx.rank + 1)), "sum", (extended, 1)))
-        result = (extended.mesh_dim_names or (), list(extended.mesh.shape),
-                  extended.get_group("dp") is ft, float(via_dim[0]), float(via_shard[0]))
+            funcol.all_reduce(torch.full((2,), float(ctx.rank + 1)), "sum", (extended, 1))
+        )
+        result = (
+            extended.mesh_dim_names or (),
+            list(extended.mesh.shape),
+            extended.get_group("dp") is ft,
+            float(via_dim[0]),
+            float(via_shard[0]),
+        )
         ft.unregister()
         ft.shutdown()
         return result

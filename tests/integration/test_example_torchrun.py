@@ -22,8 +22,9 @@ pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "train_ddp.py"
 STEPS = 20
-LINE = re.compile(r"^replica group (\d+) rank (\d+): step (\d+) sha256 ([0-9a-f]{64})$",
-                  re.MULTILINE)
+LINE = re.compile(
+    r"^replica group (\d+) rank (\d+): step (\d+) sha256 ([0-9a-f]{64})$", re.MULTILINE
+)
 # torchrun starts each worker in a session of its own, so killing torchrun's
 # process group misses them; the workers are found by this variable instead.
 TAG = "FTDIST_TEST_EXAMPLE_TAG"
@@ -52,7 +53,8 @@ def _kill_all(procs: list[subprocess.Popen[Any]], tag: str) -> None:
 
 
 def test_two_replica_groups_of_two_ranks_end_bit_identical(
-        lighthouse_factory: Any, tmp_path: Path) -> None:
+    lighthouse_factory: Any, tmp_path: Path
+) -> None:
     # min_replicas=2: both groups take every step together, so a group that
     # starts late cannot make the other train (and finish) alone.
     lighthouse = lighthouse_factory(min_replicas=2)
@@ -61,16 +63,37 @@ def test_two_replica_groups_of_two_ranks_end_bit_identical(
     logs: list[tuple[Path, Path]] = []
     try:
         for group in (0, 1):
-            env = {**os.environ, TAG: tag, "FTDIST_LIGHTHOUSE": lighthouse.address(),
-                   "REPLICA_GROUP_ID": str(group), "NUM_REPLICA_GROUPS": "2",
-                   "OMP_NUM_THREADS": "1"}
+            env = {
+                **os.environ,
+                TAG: tag,
+                "FTDIST_LIGHTHOUSE": lighthouse.address(),
+                "REPLICA_GROUP_ID": str(group),
+                "NUM_REPLICA_GROUPS": "2",
+                "OMP_NUM_THREADS": "1",
+            }
             out, err = tmp_path / f"group{group}.out", tmp_path / f"group{group}.err"
             logs.append((out, err))
             with open(out, "wb") as stdout, open(err, "wb") as stderr:
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                     "--nproc-per-node", "2", str(EXAMPLE), "--steps", str(STEPS)],
-                    cwd=REPO, env=env, stdout=stdout, stderr=stderr, start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "torch.distributed.run",
+                            "--standalone",
+                            "--nproc-per-node",
+                            "2",
+                            str(EXAMPLE),
+                            "--steps",
+                            str(STEPS),
+                        ],
+                        cwd=REPO,
+                        env=env,
+                        stdout=stdout,
+                        stderr=stderr,
+                        start_new_session=True,
+                    )
+                )
         deadline = time.monotonic() + 90
         for proc in procs:
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))

@@ -137,8 +137,9 @@ def _baby_child_dies(ctx: RankContext, how: str) -> tuple[str, bool, float]:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize(("how", "expected"), [("kill", "BackendProcessError"),
-                                                ("stop", "CollectiveTimeoutError")])
+@pytest.mark.parametrize(
+    ("how", "expected"), [("kill", "BackendProcessError"), ("stop", "CollectiveTimeoutError")]
+)
 def test_baby_child_crash_or_hang_is_an_op_error(how: str, expected: str) -> None:
     kind, child_gone, value = run_ranks(_baby_child_dies, 2, how, timeout=25)[0]
     assert kind == expected
@@ -185,8 +186,15 @@ def _swallow(ctx: RankContext) -> tuple[Any, ...]:
     t = torch.full((1,), 2.0)
     pg.allreduce([t]).wait()
     pg.shutdown()
-    return (ok, had_error, failed.tolist(), untouched.tolist(), skipped_done and cleared,
-            float(t[0]), topology)
+    return (
+        ok,
+        had_error,
+        failed.tolist(),
+        untouched.tolist(),
+        skipped_done and cleared,
+        float(t[0]),
+        topology,
+    )
 
 
 @pytest.mark.timeout(40)

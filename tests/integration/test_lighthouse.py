@@ -50,8 +50,14 @@ def test_many_concurrent_clients_get_one_sorted_quorum(lh: Lighthouses) -> None:
     with pool(n) as executor:
         futures = {
             rid: executor.submit(
-                client.quorum, rid, timedelta(seconds=TIMEOUT), address=f"http://m/{rid}",
-                store_address=f"s:{i}", step=i, world_size=2, data={"rank": i, 1: "x"},
+                client.quorum,
+                rid,
+                timedelta(seconds=TIMEOUT),
+                address=f"http://m/{rid}",
+                store_address=f"s:{i}",
+                step=i,
+                world_size=2,
+                data={"rank": i, 1: "x"},
             )
             for i, rid in enumerate(ids)
         }
@@ -64,7 +70,10 @@ def test_many_concurrent_clients_get_one_sorted_quorum(lh: Lighthouses) -> None:
     for i, rid in enumerate(ids):
         member = by_id[rid]
         assert (member.address, member.store_address, member.step, member.world_size) == (
-            f"http://m/{rid}", f"s:{i}", i, 2,
+            f"http://m/{rid}",
+            f"s:{i}",
+            i,
+            2,
         )
         assert member.data == {"rank": i, "1": "x"}  # JSON keys become strings
     assert abs(first.created.seconds - time.time()) < 600
@@ -121,8 +130,12 @@ def test_split_brain_guard_needs_more_than_half(lh: Lighthouses) -> None:
         with pool(1) as executor:
             alone = executor.submit(client.quorum, "a", TIMEOUT)
             wait_until(
-                lambda: "need at least half of 3 healthy workers"
-                in get_json(f"{server.dashboard_address()}/status.json")["next_quorum"]["reason"],
+                lambda: (
+                    "need at least half of 3 healthy workers"
+                    in get_json(f"{server.dashboard_address()}/status.json")["next_quorum"][
+                        "reason"
+                    ]
+                ),
                 what="split-brain reason",
             )
             pair = client.quorum("b", TIMEOUT)
@@ -168,8 +181,12 @@ def test_join_timeout_waits_for_heartbeating_straggler_then_proceeds(lh: Lightho
         with pool(2) as executor:
             futures = [executor.submit(client.quorum, rid, TIMEOUT) for rid in ("a", "b")]
             wait_until(
-                lambda: "due to join timeout"
-                in get_json(f"{server.dashboard_address()}/status.json")["next_quorum"]["reason"],
+                lambda: (
+                    "due to join timeout"
+                    in get_json(f"{server.dashboard_address()}/status.json")["next_quorum"][
+                        "reason"
+                    ]
+                ),
                 what="join-timeout reason",
             )
             results = [f.result(TIMEOUT) for f in futures]
@@ -202,16 +219,36 @@ HEARTBEAT = "/torchft.LighthouseService/Heartbeat"
     "method, payload, code, words",
     [
         (QUORUM, b"", grpc.StatusCode.INVALID_ARGUMENT, "missing requester"),
-        (QUORUM, _quorum_request(replica_id=""), grpc.StatusCode.INVALID_ARGUMENT,
-         "requester.replica_id"),
-        (QUORUM, _quorum_request(replica_id="a", step=-3), grpc.StatusCode.INVALID_ARGUMENT,
-         "requester.step"),
-        (QUORUM, _quorum_request(replica_id="a", data="x" * 70_000),
-         grpc.StatusCode.INVALID_ARGUMENT, "requester.data"),
-        (QUORUM, _quorum_request(replica_id="a", commit_failures=-1),
-         grpc.StatusCode.INVALID_ARGUMENT, "requester.commit_failures"),
-        (QUORUM, _quorum_request(replica_id="a" * 5000), grpc.StatusCode.INVALID_ARGUMENT,
-         "requester.replica_id"),
+        (
+            QUORUM,
+            _quorum_request(replica_id=""),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "requester.replica_id",
+        ),
+        (
+            QUORUM,
+            _quorum_request(replica_id="a", step=-3),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "requester.step",
+        ),
+        (
+            QUORUM,
+            _quorum_request(replica_id="a", data="x" * 70_000),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "requester.data",
+        ),
+        (
+            QUORUM,
+            _quorum_request(replica_id="a", commit_failures=-1),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "requester.commit_failures",
+        ),
+        (
+            QUORUM,
+            _quorum_request(replica_id="a" * 5000),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "requester.replica_id",
+        ),
         (QUORUM, b"\xff\xff\xff\xff garbage", grpc.StatusCode.INVALID_ARGUMENT, "not a valid"),
         (QUORUM, b"\x00" * (5 * 1024 * 1024), grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
         (HEARTBEAT, b"", grpc.StatusCode.INVALID_ARGUMENT, "replica_id must not be empty"),
@@ -219,9 +256,17 @@ HEARTBEAT = "/torchft.LighthouseService/Heartbeat"
         ("/torchft.LighthouseService/Nope", b"", grpc.StatusCode.UNIMPLEMENTED, "unknown method"),
     ],
     ids=[
-        "missing-requester", "empty-replica-id", "negative-step", "oversized-data",
-        "negative-commit-failures", "oversized-replica-id", "garbage-message",
-        "message-over-grpc-limit", "heartbeat-empty-id", "heartbeat-garbage", "unknown-method",
+        "missing-requester",
+        "empty-replica-id",
+        "negative-step",
+        "oversized-data",
+        "negative-commit-failures",
+        "oversized-replica-id",
+        "garbage-message",
+        "message-over-grpc-limit",
+        "heartbeat-empty-id",
+        "heartbeat-garbage",
+        "unknown-method",
     ],
 )
 def test_bad_request_gets_clear_error_and_server_keeps_serving(
@@ -252,8 +297,10 @@ def test_client_that_disconnects_mid_call_is_withdrawn(lh: Lighthouses) -> None:
     status = f"{server.dashboard_address()}/status.json"
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     future = channel.unary_unary(QUORUM).future(_quorum_request(replica_id="ghost"), timeout=60)
-    wait_until(lambda: [w["replica_id"] for w in get_json(status)["waiting"]] == ["ghost"],
-               what="ghost parked")
+    wait_until(
+        lambda: [w["replica_id"] for w in get_json(status)["waiting"]] == ["ghost"],
+        what="ghost parked",
+    )
     channel.close()
     with pytest.raises(grpc.RpcError):
         future.result(TIMEOUT)
@@ -384,7 +431,11 @@ def test_failure_news_reaches_survivors_without_a_quorum_call(lh: Lighthouses) -
         quorum_round(client, ["a", "b"])
         formed = events.get(timeout=TIMEOUT)
         assert isinstance(formed, LighthouseEvent)
-        assert (formed.kind, formed.quorum_id, formed.replica_ids) == ("quorum_formed", 1, ("a", "b"))
+        assert (formed.kind, formed.quorum_id, formed.replica_ids) == (
+            "quorum_formed",
+            1,
+            ("a", "b"),
+        )
 
         beats = Heartbeater(client, ["a"])  # b dies: no heartbeat, no quorum call
         try:

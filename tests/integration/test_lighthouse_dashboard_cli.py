@@ -37,7 +37,9 @@ class FakeManager:
     def __init__(self) -> None:
         self.kills: list[str] = []
         self.server = CompletionQueueServer(
-            "127.0.0.1:0", {"/torchft.ManagerService/Kill": self._kill}, [],
+            "127.0.0.1:0",
+            {"/torchft.ManagerService/Kill": self._kill},
+            [],
             thread_name="test-fake-manager",
         )
         self.address = f"http://127.0.0.1:{self.server.start()}"
@@ -73,8 +75,15 @@ def test_status_json_describes_quorum_members_and_heartbeats(lh: Lighthouses) ->
     client = lh.client(server)
     with pool(2) as executor:
         futures = [
-            executor.submit(client.quorum, rid, TIMEOUT, address=f"http://mgr-{rid}:1",
-                            store_address=f"store-{rid}:2", step=step, world_size=4)
+            executor.submit(
+                client.quorum,
+                rid,
+                TIMEOUT,
+                address=f"http://mgr-{rid}:1",
+                store_address=f"store-{rid}:2",
+                step=step,
+                world_size=4,
+            )
             for rid, step in (("a", 7), ("b", 5))
         ]
         [f.result(TIMEOUT) for f in futures]
@@ -86,8 +95,14 @@ def test_status_json_describes_quorum_members_and_heartbeats(lh: Lighthouses) ->
     assert quorum["age_s"] >= 0 and quorum["created"].endswith("+00:00")
     members = {m["replica_id"]: m for m in quorum["members"]}
     assert members["a"] | {"heartbeat_age_s": None} == {
-        "replica_id": "a", "step": 7, "address": "http://mgr-a:1", "store_address": "store-a:2",
-        "world_size": 4, "shrink_only": False, "commit_failures": 0, "recovering": False,
+        "replica_id": "a",
+        "step": 7,
+        "address": "http://mgr-a:1",
+        "store_address": "store-a:2",
+        "world_size": 4,
+        "shrink_only": False,
+        "commit_failures": 0,
+        "recovering": False,
         "heartbeat_age_s": None,
     }
     assert members["b"]["recovering"] is True  # behind the max step
@@ -116,15 +131,25 @@ def test_metrics_are_prometheus_text(lh: Lighthouses) -> None:
     assert 'ftdist_lighthouse_quorum_latency_seconds_bucket{le="+Inf"} 2' in lines
     assert "ftdist_lighthouse_quorum_latency_seconds_count 2" in lines
     for line in lines:
-        assert line.startswith("#") or re.fullmatch(r"[a-z_]+(\{le=\"[^\"]+\"\})? [0-9.e+-]+", line), line
+        assert line.startswith("#") or re.fullmatch(
+            r"[a-z_]+(\{le=\"[^\"]+\"\})? [0-9.e+-]+", line
+        ), line
 
 
 def test_page_is_self_contained_with_test_hooks(lh: Lighthouses) -> None:
     server = lh.server(http_port=0)
     with urllib.request.urlopen(f"{server.dashboard_address()}/", timeout=TIMEOUT) as r:
         page = r.read().decode()
-    for hook in ('id="quorum-id"', 'id="next-reason"', 'id="members"', 'id="heartbeats"',
-                 'id="kill-token"', "data-replica-id", "recovering", "/status.json"):
+    for hook in (
+        'id="quorum-id"',
+        'id="next-reason"',
+        'id="members"',
+        'id="heartbeats"',
+        'id="kill-token"',
+        "data-replica-id",
+        "recovering",
+        "/status.json",
+    ):
         assert hook in page
     assert "http://" not in page and "https://" not in page  # no CDN
     with pytest.raises(urllib.error.HTTPError) as info:
@@ -175,8 +200,15 @@ def test_help_for_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
         assert info.value.code == 0
     out = capsys.readouterr().out
     assert "lighthouse" in out
-    for flag in ("--bind", "--min-replicas", "--join-timeout-ms", "--quorum-tick-ms",
-                 "--heartbeat-timeout-ms", "--http-port", "--kill-token"):
+    for flag in (
+        "--bind",
+        "--min-replicas",
+        "--join-timeout-ms",
+        "--quorum-tick-ms",
+        "--heartbeat-timeout-ms",
+        "--http-port",
+        "--kill-token",
+    ):
         assert flag in out
 
 
@@ -184,7 +216,10 @@ def test_cli_reports_missing_min_replicas() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FTDIST_LIGHTHOUSE_")}
     result = subprocess.run(
         [sys.executable, "-m", "ftdist.cli", "lighthouse", "--bind", "127.0.0.1:0"],
-        capture_output=True, text=True, timeout=TIMEOUT, env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=env,
     )
     assert result.returncode == 2
     assert "min_replicas is required" in result.stderr
@@ -196,14 +231,18 @@ class LighthouseProcess:
     def __init__(self, *args: str) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ftdist.cli", "lighthouse", "--bind", "127.0.0.1:0", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         match = re.search(r"serving on (http://\S+) \(dashboard: (\S+)\)", line)
         if match is None:
             self.proc.kill()
-            raise AssertionError(f"unexpected first line {line!r}: {self.proc.stderr.read() if self.proc.stderr else ''}")
+            raise AssertionError(
+                f"unexpected first line {line!r}: {self.proc.stderr.read() if self.proc.stderr else ''}"
+            )
         self.address, self.dashboard = match.group(1), match.group(2)
 
     def stop(self, sig: int) -> tuple[int, str]:
@@ -283,7 +322,9 @@ def test_grpc_status_codes_survive_the_completion_queue_server() -> None:
             assert info.value.code() == grpc.StatusCode.INTERNAL
             assert "boom" in (info.value.details() or "")
             assert list(channel.unary_stream("/t.S/Stream")(b"", timeout=TIMEOUT)) == [
-                b"\x00", b"\x01", b"\x02"
+                b"\x00",
+                b"\x01",
+                b"\x02",
             ]
     finally:
         server.stop(0.5)

@@ -49,12 +49,25 @@ def test_torchft_client_uses_ftdist_lighthouse(tft: ModuleType, lh: Lighthouses)
     server = lh.server(min_replicas=1)
     client = tft.LighthouseClient(server.address(), timedelta(seconds=5))
     client.heartbeat("a")
-    quorum = client.quorum("a", timedelta(seconds=TIMEOUT), address="m:1", store_address="s:2",
-                           step=4, world_size=2, data={"k": [1, 2]})
+    quorum = client.quorum(
+        "a",
+        timedelta(seconds=TIMEOUT),
+        address="m:1",
+        store_address="s:2",
+        step=4,
+        world_size=2,
+        data={"k": [1, 2]},
+    )
     assert quorum.quorum_id == 1
     (member,) = quorum.participants
-    assert (member.replica_id, member.address, member.store_address, member.step,
-            member.world_size, member.data) == ("a", "m:1", "s:2", 4, 2, {"k": [1, 2]})
+    assert (
+        member.replica_id,
+        member.address,
+        member.store_address,
+        member.step,
+        member.world_size,
+        member.data,
+    ) == ("a", "m:1", "s:2", 4, 2, {"k": [1, 2]})
     assert quorum.created.seconds > 0
 
 
@@ -75,16 +88,26 @@ def test_ftdist_client_uses_torchft_lighthouse(tft: ModuleType, lh: Lighthouses)
 def test_torchft_manager_joins_ftdist_lighthouse(tft: ModuleType, lh: Lighthouses) -> None:
     server = lh.server(min_replicas=1, http_port=0)
     manager = tft.ManagerServer(
-        replica_id="rep0", lighthouse_addr=server.address(), hostname="127.0.0.1",
-        bind="127.0.0.1:0", store_addr="store:1", world_size=1,
-        heartbeat_interval=timedelta(milliseconds=100), connect_timeout=timedelta(seconds=5),
+        replica_id="rep0",
+        lighthouse_addr=server.address(),
+        hostname="127.0.0.1",
+        bind="127.0.0.1:0",
+        store_addr="store:1",
+        world_size=1,
+        heartbeat_interval=timedelta(milliseconds=100),
+        connect_timeout=timedelta(seconds=5),
         quorum_retries=0,
     )
     try:
         client = tft.ManagerClient(manager.address(), timedelta(seconds=5))
         result = client._quorum(
-            group_rank=0, step=3, checkpoint_metadata="meta", shrink_only=False,
-            timeout=timedelta(seconds=TIMEOUT), commit_failures=0, reconfigure_handle="h0",
+            group_rank=0,
+            step=3,
+            checkpoint_metadata="meta",
+            shrink_only=False,
+            timeout=timedelta(seconds=TIMEOUT),
+            commit_failures=0,
+            reconfigure_handle="h0",
             init_sync=True,
         )
         assert result.quorum_id == 1

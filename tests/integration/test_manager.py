@@ -12,8 +12,9 @@ from tests.integration.ft_training import train
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("group_size", [1, 2])
-def test_replicas_train_in_lockstep_and_end_bit_identical(lighthouse_factory: Any,
-                                                          group_size: int) -> None:
+def test_replicas_train_in_lockstep_and_end_bit_identical(
+    lighthouse_factory: Any, group_size: int
+) -> None:
     # min_replicas=2: neither replica may run ahead alone.
     lighthouse = lighthouse_factory(min_replicas=2).address()
     results = run_ranks(train, 2 * group_size, lighthouse, group_size, 8, timeout=100)
@@ -23,8 +24,9 @@ def test_replicas_train_in_lockstep_and_end_bit_identical(lighthouse_factory: An
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("variant", ["baby-gloo", "pg-transport", "pure-ddp", "sync-quorum",
-                                     "spares"])
+@pytest.mark.parametrize(
+    "variant", ["baby-gloo", "pg-transport", "pure-ddp", "sync-quorum", "spares"]
+)
 def test_variants_train_and_end_bit_identical(lighthouse_factory: Any, variant: str) -> None:
     lighthouse = lighthouse_factory(min_replicas=2).address()
     actions: dict[str, Any] = {}
@@ -42,8 +44,18 @@ def test_variants_train_and_end_bit_identical(lighthouse_factory: Any, variant: 
 
         # One participant, one hot spare that contributes zeros.
         actions = {"manager_kwargs": {"world_size_mode": WorldSizeMode.FIXED_WITH_SPARES}}
-    results = run_ranks(train, 2, lighthouse, 1, 6, dict.fromkeys(range(2), actions), 0,
-                        pg_kind, transport, timeout=100)
+    results = run_ranks(
+        train,
+        2,
+        lighthouse,
+        1,
+        6,
+        dict.fromkeys(range(2), actions),
+        0,
+        pg_kind,
+        transport,
+        timeout=100,
+    )
     assert_consistent(results, 6, complete=True)
     if variant == "spares":
         # min_replica_size=1: each committed step counted one participant.

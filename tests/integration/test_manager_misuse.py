@@ -26,8 +26,13 @@ def test_bad_construction_raises_before_connecting(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ValueError, match="min_replica_size must be an int >= 1, got 0"):
         Manager(pg, load, save, min_replica_size=0, lighthouse_addr="127.0.0.1:1")
     with pytest.raises(TypeError, match="pg must be an ftdist ProcessGroup"):
-        Manager(object(), load, save, min_replica_size=1,  # type: ignore[arg-type]
-                lighthouse_addr="127.0.0.1:1")
+        Manager(
+            object(),
+            load,
+            save,
+            min_replica_size=1,  # type: ignore[arg-type]
+            lighthouse_addr="127.0.0.1:1",
+        )
     for name in ("FTDIST_LIGHTHOUSE", "TORCHFT_LIGHTHOUSE"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ValueError, match="no lighthouse address: pass lighthouse_addr="):
@@ -35,15 +40,22 @@ def test_bad_construction_raises_before_connecting(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ValueError, match="pass both load_state_dict and state_dict"):
         Manager(pg, load, None, min_replica_size=1, lighthouse_addr="127.0.0.1:1")
     with pytest.raises(ValueError, match="max_retries must be None or an int >= 0"):
-        Manager(pg, load, save, min_replica_size=1, lighthouse_addr="127.0.0.1:1",
-                max_retries=-1)
+        Manager(pg, load, save, min_replica_size=1, lighthouse_addr="127.0.0.1:1", max_retries=-1)
 
 
 def test_wait_quorum_before_start_quorum_and_duplicate_state_keys(lighthouse: str) -> None:
     load, save = _state()
     pg = ProcessGroupGloo(timeout=T)
-    manager = Manager(pg, load, save, min_replica_size=1, lighthouse_addr=lighthouse,
-                      hostname="127.0.0.1", replica_id="solo", connect_timeout=T)
+    manager = Manager(
+        pg,
+        load,
+        save,
+        min_replica_size=1,
+        lighthouse_addr=lighthouse,
+        hostname="127.0.0.1",
+        replica_id="solo",
+        connect_timeout=T,
+    )
     try:
         with pytest.raises(RuntimeError, match=r"wait_quorum\(\) called before start_quorum\(\)"):
             manager.wait_quorum()
@@ -68,9 +80,18 @@ def _no_state_fns(ctx: RankContext, lighthouse: str) -> str:
 
     own = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     pg = ProcessGroupGloo(timeout=T)
-    manager = Manager(pg, None, None, min_replica_size=2, lighthouse_addr=lighthouse,
-                      hostname="127.0.0.1", replica_id=f"r{ctx.rank}", store_addr="127.0.0.1",
-                      store_port=own.port, connect_timeout=T)
+    manager = Manager(
+        pg,
+        None,
+        None,
+        min_replica_size=2,
+        lighthouse_addr=lighthouse,
+        hostname="127.0.0.1",
+        replica_id=f"r{ctx.rank}",
+        store_addr="127.0.0.1",
+        store_port=own.port,
+        connect_timeout=T,
+    )
     try:
         manager.start_quorum()
         try:

@@ -26,9 +26,16 @@ def lighthouse(lighthouse_factory: Any) -> LighthouseServer:
 
 @pytest.fixture
 def server(lighthouse: LighthouseServer) -> Iterator[ManagerServer]:
-    manager = ManagerServer("rep:uuid", lighthouse.address(), "127.0.0.1", "127.0.0.1:0",
-                            "127.0.0.1:1234", world_size=2,
-                            heartbeat_interval=timedelta(milliseconds=100), connect_timeout=T)
+    manager = ManagerServer(
+        "rep:uuid",
+        lighthouse.address(),
+        "127.0.0.1",
+        "127.0.0.1:0",
+        "127.0.0.1:1234",
+        world_size=2,
+        heartbeat_interval=timedelta(milliseconds=100),
+        connect_timeout=T,
+    )
     yield manager
     manager.shutdown()
 
@@ -77,13 +84,16 @@ def test_group_ranks_that_disagree_on_the_step_all_get_an_error(server: ManagerS
 
 def test_should_commit_is_an_and_of_every_rank_on_the_same_step(server: ManagerServer) -> None:
     with ManagerClient(server.address(), T) as c:
-        assert _in_threads(lambda: c.should_commit(0, 1, True, T),
-                           lambda: c.should_commit(1, 1, True, T)) == [True, True]
-        assert _in_threads(lambda: c.should_commit(0, 2, True, T),
-                           lambda: c.should_commit(1, 2, False, T)) == [False, False]
+        assert _in_threads(
+            lambda: c.should_commit(0, 1, True, T), lambda: c.should_commit(1, 1, True, T)
+        ) == [True, True]
+        assert _in_threads(
+            lambda: c.should_commit(0, 2, True, T), lambda: c.should_commit(1, 2, False, T)
+        ) == [False, False]
         # Votes on different steps never commit.
-        assert _in_threads(lambda: c.should_commit(0, 3, True, T),
-                           lambda: c.should_commit(1, 4, True, T)) == [False, False]
+        assert _in_threads(
+            lambda: c.should_commit(0, 3, True, T), lambda: c.should_commit(1, 4, True, T)
+        ) == [False, False]
         # A rank left alone times out instead of hanging.
         with pytest.raises(CoordinationTimeoutError):
             c.should_commit(0, 5, True, timedelta(milliseconds=300))
@@ -100,16 +110,31 @@ def test_bad_requests_get_clear_errors(server: ManagerServer) -> None:
 
 
 def test_a_failed_lighthouse_call_reaches_every_waiting_rank_at_once(
-        lighthouse: LighthouseServer) -> None:
+    lighthouse: LighthouseServer,
+) -> None:
     # min_replicas=1 but a second, heartbeating replica never asks: the
     # split-brain guard holds the quorum, so the lighthouse call times out.
     # Both group ranks must get that error when it happens, not later.
-    server = ManagerServer("solo:uuid", lighthouse.address(), "127.0.0.1", "127.0.0.1:0",
-                           "127.0.0.1:1", world_size=2,
-                           heartbeat_interval=timedelta(milliseconds=100), connect_timeout=T)
-    other = ManagerServer("other:uuid", lighthouse.address(), "127.0.0.1", "127.0.0.1:0",
-                          "127.0.0.1:2", world_size=1,
-                          heartbeat_interval=timedelta(milliseconds=100), connect_timeout=T)
+    server = ManagerServer(
+        "solo:uuid",
+        lighthouse.address(),
+        "127.0.0.1",
+        "127.0.0.1:0",
+        "127.0.0.1:1",
+        world_size=2,
+        heartbeat_interval=timedelta(milliseconds=100),
+        connect_timeout=T,
+    )
+    other = ManagerServer(
+        "other:uuid",
+        lighthouse.address(),
+        "127.0.0.1",
+        "127.0.0.1:0",
+        "127.0.0.1:2",
+        world_size=1,
+        heartbeat_interval=timedelta(milliseconds=100),
+        connect_timeout=T,
+    )
     try:
         time.sleep(0.5)  # let "other" heartbeat: the lighthouse now counts it healthy
         with ManagerClient(server.address(), T) as c:
@@ -127,9 +152,16 @@ def test_a_failed_lighthouse_call_reaches_every_waiting_rank_at_once(
 
 
 def _serve_until_killed(ctx: Any, lighthouse: str) -> None:
-    server = ManagerServer("victim:uuid", lighthouse, "127.0.0.1", "127.0.0.1:0", "127.0.0.1:1",
-                           world_size=1, heartbeat_interval=timedelta(milliseconds=100),
-                           connect_timeout=T)
+    server = ManagerServer(
+        "victim:uuid",
+        lighthouse,
+        "127.0.0.1",
+        "127.0.0.1:0",
+        "127.0.0.1:1",
+        world_size=1,
+        heartbeat_interval=timedelta(milliseconds=100),
+        connect_timeout=T,
+    )
     ctx.store().set("addr", server.address())
     time.sleep(60)
 

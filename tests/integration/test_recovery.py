@@ -40,9 +40,14 @@ def _wait_dead(ranks: Ranks, members: list[int], timeout: float = 60) -> None:
     assert all(ranks.exitcode(r) == -9 for r in members), [ranks.exitcode(r) for r in members]
 
 
-def _run(lighthouse: str, groups: int, group_size: int, steps: int,
-         actions: dict[int, dict[str, Any]],
-         restarts: list[dict[int, dict[str, Any]]]) -> list[dict[str, Any]]:
+def _run(
+    lighthouse: str,
+    groups: int,
+    group_size: int,
+    steps: int,
+    actions: dict[int, dict[str, Any]],
+    restarts: list[dict[int, dict[str, Any]]],
+) -> list[dict[str, Any]]:
     """Run, and each time the victims die, restart them with the next actions."""
     world = groups * group_size
     victims = sorted(actions.keys() & {r for r in range(world) if "die_at_step" in actions[r]})
@@ -62,21 +67,29 @@ SLOW = {"step_sleep_s": 0.08}
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(("groups", "group_size"), [(2, 1), (3, 1), (2, 2), (3, 2)])
-def test_killed_group_restarts_heals_and_ends_identical(patient_lighthouse: str, groups: int,
-                                                         group_size: int) -> None:
+def test_killed_group_restarts_heals_and_ends_identical(
+    patient_lighthouse: str, groups: int, group_size: int
+) -> None:
     rng = random.Random(groups * 10 + group_size)
     victim = rng.randrange(groups)
     die_at = rng.randrange(3, 10)
     steps = 40
-    actions = {r: {**SLOW, "hold_until_rejoin_at": die_at + 2}
-               for r in range(groups * group_size)}
+    actions = {r: {**SLOW, "hold_until_rejoin_at": die_at + 2} for r in range(groups * group_size)}
     for g in range(group_size):
         actions[victim * group_size + g] = {"die_at_step": die_at, **SLOW}
-    results = _run(patient_lighthouse, groups, group_size, steps, actions, [dict.fromkeys(range(groups * group_size), SLOW)])
+    results = _run(
+        patient_lighthouse,
+        groups,
+        group_size,
+        steps,
+        actions,
+        [dict.fromkeys(range(groups * group_size), SLOW)],
+    )
     assert_consistent(results, steps)
     healed = [r for r in results if r["replica"] == victim]
-    assert all(any(h["role"] == "receive" and h["step"] > 0 for h in r["heals"]) for r in healed), \
+    assert all(any(h["role"] == "receive" and h["step"] > 0 for h in r["heals"]) for r in healed), (
         "the restarted group must heal live from a peer"
+    )
 
 
 def _assert_gaps_healed(result: dict[str, Any]) -> None:
@@ -84,13 +97,18 @@ def _assert_gaps_healed(result: dict[str, Any]) -> None:
     committed = result["committed"]
     healed_to = {h["step"] for h in result["heals"] if h["role"] == "receive"}
     resumed = [b for a, b in itertools.pairwise([-1, *committed]) if b != a + 1]
-    assert set(resumed) <= healed_to, (result["replica"], result["group_rank"], committed[:12],
-                                       result["heals"])
+    assert set(resumed) <= healed_to, (
+        result["replica"],
+        result["group_rank"],
+        committed[:12],
+        result["heals"],
+    )
 
 
 @pytest.mark.timeout(150)
 def test_live_group_left_out_of_quorums_heals_forward_and_ends_identical(
-        lighthouse_factory: Any) -> None:
+    lighthouse_factory: Any,
+) -> None:
     # Replica group 2 (two ranks) pauses between two steps while staying
     # healthy; the join timeout lets the others go on without it. When it
     # asks again, both of its ranks heal forward to the same step and every
@@ -100,12 +118,13 @@ def test_live_group_left_out_of_quorums_heals_forward_and_ends_identical(
     steps = 20
     # The others wait at step 10 too, so that they cannot finish (and stop
     # forming quorums) before replica 2 is back.
-    actions: dict[int, dict[str, Any]] = {r: {**SLOW, "hold_until_rejoin_at": 10}
-                                          for r in range(4)}
+    actions: dict[int, dict[str, Any]] = {r: {**SLOW, "hold_until_rejoin_at": 10} for r in range(4)}
     for r in (4, 5):
         actions[r] = {**SLOW, "hold_until_rejoin_at": 5}
-    with Ranks(train, 6, args=(server.address(), 2, steps, actions)) as ranks, \
-            LighthouseClient(server.address(), 10) as client:
+    with (
+        Ranks(train, 6, args=(server.address(), 2, steps, actions)) as ranks,
+        LighthouseClient(server.address(), 10) as client,
+    ):
         seen, deadline = False, time.monotonic() + 90
         while True:
             assert time.monotonic() < deadline, "the others never went on without replica 2"
@@ -148,9 +167,11 @@ def test_healing_source_killed_mid_transfer(patient_lighthouse: str) -> None:
     # Replica 2 dies and restarts; when it heals, whichever replica serves it
     # dies while the (large) state is still streaming. It heals from the other.
     big = {"ballast_mb": 64, "finishers": 2, **SLOW}
-    actions = {0: {**big, "die_while_serving": True, "hold_until_rejoin_at": 5},
-               1: {**big, "die_while_serving": True, "hold_until_rejoin_at": 5},
-               2: {"die_at_step": 3, **big}}
+    actions = {
+        0: {**big, "die_while_serving": True, "hold_until_rejoin_at": 5},
+        1: {**big, "die_while_serving": True, "hold_until_rejoin_at": 5},
+        2: {"die_at_step": 3, **big},
+    }
     world = 3
     with Ranks(train, world, args=(patient_lighthouse, 1, 40, actions)) as ranks:
         _wait_dead(ranks, [2])
@@ -175,8 +196,10 @@ def test_failure_news_aborts_the_collective_instead_of_waiting_out_the_timeout()
     # test's 45 s limit. The recovery benchmark prints how long it took.
     server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=200)
     try:
-        actions = {0: {"timeout_s": 60, "finishers": 1, **SLOW},
-                   1: {"timeout_s": 60, "die_at_step": 5, "mid_allreduce": True, **SLOW}}
+        actions = {
+            0: {"timeout_s": 60, "finishers": 1, **SLOW},
+            1: {"timeout_s": 60, "die_at_step": 5, "mid_allreduce": True, **SLOW},
+        }
         with Ranks(train, 2, args=(server.address(), 1, 12, actions)) as ranks:
             outcomes = ranks.join(timeout=40)
     finally:
@@ -200,15 +223,21 @@ def _expect_raise(outcome: Any, *needles: str) -> None:
 
 @pytest.mark.timeout(90)
 def test_a_heal_that_loads_incompletely_is_reported_and_never_commits(lighthouse: str) -> None:
-    actions = {0: {**SLOW, "finishers": 1, "hold_until_rejoin_at": 5},
-               1: {"die_at_step": 3, **SLOW}}
+    actions = {
+        0: {**SLOW, "finishers": 1, "hold_until_rejoin_at": 5},
+        1: {"die_at_step": 3, **SLOW},
+    }
     with Ranks(train, 2, args=(lighthouse, 1, 30, actions)) as ranks:
         _wait_dead(ranks, [1])
         ranks.restart(1, lighthouse, 1, 30, {1: {"stale_lr_on_heal": True, "max_retries": 2}}, 1)
         outcomes = ranks.join(timeout=80)
     assert outcomes[0].ok, outcomes[0].error
-    _expect_raise(outcomes[1], "should_commit failed 3 times", "StateDivergenceError",
-                  "user/default/optim/param_groups")
+    _expect_raise(
+        outcomes[1],
+        "should_commit failed 3 times",
+        "StateDivergenceError",
+        "user/default/optim/param_groups",
+    )
 
 
 @pytest.mark.timeout(90)
@@ -216,9 +245,10 @@ def test_replicas_that_diverge_after_a_heal_are_caught_at_the_next_quorum(lighth
     # The survivor corrupts its own weights right after serving a heal; the
     # fingerprints both replicas send with the next quorum differ, and
     # neither may commit from then on.
-    actions = {0: {**SLOW, "corrupt_after_heal": True, "max_retries": 2,
-                   "hold_until_rejoin_at": 5},
-               1: {"die_at_step": 3, **SLOW}}
+    actions = {
+        0: {**SLOW, "corrupt_after_heal": True, "max_retries": 2, "hold_until_rejoin_at": 5},
+        1: {"die_at_step": 3, **SLOW},
+    }
     with Ranks(train, 2, args=(lighthouse, 1, 30, actions)) as ranks:
         _wait_dead(ranks, [1])
         # The replacement must heal from the held survivor: a replacement

@@ -45,16 +45,25 @@ def quorum_with_a_straggler(lh: Lighthouses) -> Iterator[LighthouseServer]:
     client = lh.client(server)
     with pool(3) as executor:
         futures = [
-            executor.submit(client.quorum, rid, TIMEOUT, address=f"http://mgr-{rid}:1",
-                            store_address=f"store-{rid}:2", step=step, world_size=ws)
+            executor.submit(
+                client.quorum,
+                rid,
+                TIMEOUT,
+                address=f"http://mgr-{rid}:1",
+                store_address=f"store-{rid}:2",
+                step=step,
+                world_size=ws,
+            )
             for rid, step, ws in (("a", 7, 4), ("b", 5, 2))
         ]
         for future in futures:
             future.result(TIMEOUT)
         client.heartbeat("spare")
         straggler = executor.submit(client.quorum, "late", TIMEOUT, step=3)
-        wait_until(lambda: any(w["replica_id"] == "late" for w in client.status(TIMEOUT)["waiting"]),
-                   what="the straggler to be parked")
+        wait_until(
+            lambda: any(w["replica_id"] == "late" for w in client.status(TIMEOUT)["waiting"]),
+            what="the straggler to be parked",
+        )
         try:
             yield server
         finally:
@@ -169,8 +178,9 @@ def test_unreachable_lighthouse_is_one_line_naming_the_timeout_and_exit_1(
     assert captured.out == ""
     lines = captured.err.splitlines()
     assert len(lines) == 1, captured.err
-    assert lines[0].startswith(f"ftdist status: error: cannot reach the lighthouse at {address} "
-                               "within 1 s")
+    assert lines[0].startswith(
+        f"ftdist status: error: cannot reach the lighthouse at {address} within 1 s"
+    )
 
 
 @pytest.mark.parametrize(
@@ -182,7 +192,9 @@ def test_unreachable_lighthouse_is_one_line_naming_the_timeout_and_exit_1(
     ],
 )
 def test_bad_or_missing_address_is_a_usage_error(
-    argv: list[str], message: str, capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv("FTDIST_LIGHTHOUSE", raising=False)
@@ -222,8 +234,9 @@ def test_lighthouse_without_status_call_is_named(capsys: pytest.CaptureFixture[s
 
 def test_status_as_a_process(lh: Lighthouses) -> None:
     with quorum_with_a_straggler(lh) as server:
-        result = subprocess.run([*STATUS_CMD, server.address()], capture_output=True, text=True,
-                                timeout=TIMEOUT)
+        result = subprocess.run(
+            [*STATUS_CMD, server.address()], capture_output=True, text=True, timeout=TIMEOUT
+        )
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     assert "Quorum 1," in result.stdout
@@ -235,8 +248,12 @@ def test_unreachable_lighthouse_as_a_process() -> None:
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         address = f"http://127.0.0.1:{closed.getsockname()[1]}"
-        result = subprocess.run([*STATUS_CMD, address, "--timeout", "0.5"],
-                                capture_output=True, text=True, timeout=TIMEOUT)
+        result = subprocess.run(
+            [*STATUS_CMD, address, "--timeout", "0.5"],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
     assert result.returncode == 1
     assert result.stdout == ""
     assert result.stderr.startswith("ftdist status: error: cannot reach the lighthouse")
@@ -247,8 +264,9 @@ class WatchProcess:
     """``ftdist status --watch`` as a child process, read line by line."""
 
     def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen([*STATUS_CMD, *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [*STATUS_CMD, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         self.seen: list[str] = []
 
     def read_until(self, pattern: str) -> str:
@@ -313,22 +331,34 @@ def test_watch_json_prints_one_document_per_line(lh: Lighthouses) -> None:
 
 def test_render_tolerates_missing_and_unknown_keys() -> None:
     assert render({}, "h:1").startswith("Lighthouse h:1\nQuorum: none formed yet\n")
-    text = render({"quorum": {"quorum_id": 2, "members": [{"replica_id": "x", "new": 1}]},
-                   "something_new": [1, 2]}, "h:1")
+    text = render(
+        {
+            "quorum": {"quorum_id": 2, "members": [{"replica_id": "x", "new": 1}]},
+            "something_new": [1, 2],
+        },
+        "h:1",
+    )
     assert "\nQuorum 2; 1 member\n" in text
     assert _row(text, "x") == ["x", "-", "-", "ok", "-", "-"]
 
 
 def test_render_escapes_control_characters() -> None:
     evil = "r\x1b[2J\x07"
-    text = render({"quorum": {"quorum_id": 1, "members": [{"replica_id": evil, "step": 1}]},
-                   "heartbeats": [{"replica_id": evil, "age_s": 1.0, "healthy": False}]}, "h:1")
+    text = render(
+        {
+            "quorum": {"quorum_id": 1, "members": [{"replica_id": evil, "step": 1}]},
+            "heartbeats": [{"replica_id": evil, "age_s": 1.0, "healthy": False}],
+        },
+        "h:1",
+    )
     assert "\x1b" not in text and "\x07" not in text
     assert "r\\x1b[2J\\x07" in text
     assert re.search(r"r\\x1b\[2J\\x07 +1\.0 s ago +expired", text), text
 
 
 def test_render_durations() -> None:
-    text = render({"uptime_s": 3 * 3600 + 120, "quorum": {"quorum_id": 1, "age_s": 75.2,
-                                                          "members": []}}, "h:1")
+    text = render(
+        {"uptime_s": 3 * 3600 + 120, "quorum": {"quorum_id": 1, "age_s": 75.2, "members": []}},
+        "h:1",
+    )
     assert "up 3h 02m" in text and "formed 1m 15s ago" in text

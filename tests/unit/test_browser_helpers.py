@@ -78,9 +78,7 @@ def test_install_with_package_lists_skips_update(
     assert [call.split()[2] for call in _calls(fake_apt)] == ["install"]
 
 
-def test_failed_install_is_a_skip_reason(
-    fake_apt: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_failed_install_is_a_skip_reason(fake_apt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKE_MODE", "offline")
     path, why_not = ensure_chromium(timeout=20)
     assert path is None
@@ -101,7 +99,9 @@ def test_no_apt_get_and_no_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv(_browser.ENV_OVERRIDE, raising=False)
     assert ensure_chromium() == (
-        None, "chromium not installed and apt-get install failed: apt-get not found")
+        None,
+        "chromium not installed and apt-get install failed: apt-get not found",
+    )
     (tmp_path / "apt-get").write_text("#!/bin/sh\n")
     (tmp_path / "apt-get").chmod(0o755)
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
@@ -128,8 +128,12 @@ def test_parse_dom_reads_text_classes_and_skips_hidden() -> None:
 
 
 def test_png_size() -> None:
-    header = b"\x89PNG\r\n\x1a\n" + b"\x00\x00\x00\rIHDR" + (640).to_bytes(4, "big") \
+    header = (
+        b"\x89PNG\r\n\x1a\n"
+        + b"\x00\x00\x00\rIHDR"
+        + (640).to_bytes(4, "big")
         + (480).to_bytes(4, "big")
+    )
     assert png_size(header) == (640, 480)
     with pytest.raises(ValueError):
         png_size(b"GIF89a" + bytes(30))

@@ -25,8 +25,11 @@ def _record(finals: list[dict[str, object] | None], name: str = "failures") -> R
     record.stop_step = 10
     record.started, record.ended = 100.0, 130.0
     for step in range(10):
-        record.steps[step] = {"t_s": step * 0.1, "participants": 2,
-                              "losses": {0: 2.0 - step * 0.1, 1: 2.2 - step * 0.1}}
+        record.steps[step] = {
+            "t_s": step * 0.1,
+            "participants": 2,
+            "losses": {0: 2.0 - step * 0.1, 1: 2.2 - step * 0.1},
+        }
     return record
 
 
@@ -37,11 +40,14 @@ def test_identical_hashes_pass() -> None:
     assert v["hashes"] == {"replica0": "ab" * 32, "replica1": "ab" * 32}
 
 
-@pytest.mark.parametrize(("finals", "reason"), [
-    ([_final(10, "aa"), _final(10, "bb")], "weights differ at step 10"),
-    ([_final(10, "aa"), None], "no final state from replica1"),
-    ([_final(10, "aa"), _final(11, "aa")], "different steps"),
-])
+@pytest.mark.parametrize(
+    ("finals", "reason"),
+    [
+        ([_final(10, "aa"), _final(10, "bb")], "weights differ at step 10"),
+        ([_final(10, "aa"), None], "no final state from replica1"),
+        ([_final(10, "aa"), _final(11, "aa")], "different steps"),
+    ],
+)
 def test_mismatches_fail_loudly(finals: list[dict[str, object] | None], reason: str) -> None:
     record = _record(finals)
     v = verdict(record)
@@ -52,8 +58,9 @@ def test_mismatches_fail_loudly(finals: list[dict[str, object] | None], reason: 
 
 def test_a_replica_dying_on_its_own_fails_the_verdict() -> None:
     record = _record([_final(10, "aa"), _final(10, "aa")])
-    record.unexpected_exits.append({"replica": 1, "attempt": 0, "exitcode": 1, "t_s": 3.0,
-                                    "error": "RuntimeError: boom"})
+    record.unexpected_exits.append(
+        {"replica": 1, "attempt": 0, "exitcode": 1, "t_s": 3.0, "error": "RuntimeError: boom"}
+    )
     v = verdict(record)
     assert v["ok"] is False and "replica1 (exit code 1)" in v["reason"]
 
@@ -67,9 +74,20 @@ def test_loss_curve_averages_participants() -> None:
 
 def test_report_with_baseline_compares_and_serializes() -> None:
     main = _record([_final(10, "aa"), _final(10, "aa")])
-    main.injections.append({"index": 0, "kind": "kill", "replica": 1, "due_s": 1.0,
-                            "t_s": 1.2, "pid": 5, "step": 3, "attempt": 0, "hold_s": 0.0,
-                            "back_s": 1.5})
+    main.injections.append(
+        {
+            "index": 0,
+            "kind": "kill",
+            "replica": 1,
+            "due_s": 1.0,
+            "t_s": 1.2,
+            "pid": 5,
+            "step": 3,
+            "attempt": 0,
+            "hold_s": 0.0,
+            "back_s": 1.5,
+        }
+    )
     base = _record([_final(10, "cc"), _final(10, "cc")], "baseline")
     report = build_report(main, base, {"options": {"seed": 0}})
     json.dumps(report)  # the report is written as JSON
@@ -90,9 +108,20 @@ def test_progress_bar_clamps() -> None:
 
 class _FakeSupervisor:
     def __init__(self) -> None:
-        self.replicas = [ReplicaState(0, pid=11, state="training", step=5, quorum_id=3,
-                                      participants=2, loss=0.25, failures=1, heals=2),
-                         ReplicaState(1, pid=12, state="killed", step=4)]
+        self.replicas = [
+            ReplicaState(
+                0,
+                pid=11,
+                state="training",
+                step=5,
+                quorum_id=3,
+                participants=2,
+                loss=0.25,
+                failures=1,
+                heals=2,
+            ),
+            ReplicaState(1, pid=12, state="killed", step=4),
+        ]
         self.record = RunRecord("failures", self.replicas)
         self.duration_s = 10.0
         self.phase = "training"
@@ -110,8 +139,17 @@ class _FakeSupervisor:
 def test_table_and_plain_output() -> None:
     sup = _FakeSupervisor()
     rows = table_rows(sup)  # type: ignore[arg-type]
-    assert rows[0].split() == ["replica", "pid", "state", "step", "quorum", "particip.",
-                               "loss", "failures", "heals"]
+    assert rows[0].split() == [
+        "replica",
+        "pid",
+        "state",
+        "step",
+        "quorum",
+        "particip.",
+        "loss",
+        "failures",
+        "heals",
+    ]
     assert rows[1].split() == ["replica0", "11", "training", "5", "3", "2/2", "0.250", "1", "2"]
     assert rows[2].split()[:4] == ["replica1", "12", "killed", "4"]
     out = io.StringIO()
@@ -132,21 +170,24 @@ def test_terminal_view_redraws_in_place() -> None:
     view.tick(sup)  # type: ignore[arg-type]
     first = out.getvalue()
     view.tick(sup)  # type: ignore[arg-type]
-    second = out.getvalue()[len(first):]
+    second = out.getvalue()[len(first) :]
     height = first.count("\n")
     assert second.startswith(f"\x1b[{height}F\x1b[J")
     assert "an event" in first and "\x1b[32mtraining" in first
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"replicas": 1}, "--replicas 1: failures need at least 2"),
-    ({"replicas": 0, "failures": False}, "--replicas 0"),
-    ({"replicas": 2.5}, "replicas must be an int"),
-    ({"duration_s": 0}, "--duration 0"),
-    ({"kill_every_s": -5}, "--kill-every -5"),
-    ({"lighthouse": "nohostport"}, "--lighthouse 'nohostport'"),
-    ({"out": ""}, "--out"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"replicas": 1}, "--replicas 1: failures need at least 2"),
+        ({"replicas": 0, "failures": False}, "--replicas 0"),
+        ({"replicas": 2.5}, "replicas must be an int"),
+        ({"duration_s": 0}, "--duration 0"),
+        ({"kill_every_s": -5}, "--kill-every -5"),
+        ({"lighthouse": "nohostport"}, "--lighthouse 'nohostport'"),
+        ({"out": ""}, "--out"),
+    ],
+)
 def test_bad_options_name_the_value(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises((ValueError, TypeError), match=match):
         DemoConfig(**kwargs)  # type: ignore[arg-type]
@@ -173,7 +214,7 @@ def test_tail_keeps_partial_lines_and_reads_the_attempt(tmp_path: Any) -> None:
     assert tail.read() == [(0, 0, {"kind": "up", "t": 1.0}), (1, 2, {"kind": "up", "t": 2.0})]
     assert tail.read() == []
     with a.open("a") as f:
-        f.write(': 3.0}\nnot json\n')
+        f.write(": 3.0}\nnot json\n")
     assert tail.read() == [(1, 2, {"kind": "step", "t": 3.0})]
 
 
@@ -217,13 +258,16 @@ def test_old_events_are_cleared_but_foreign_files_refuse(tmp_path: Any) -> None:
     assert (run / "thesis.tex").read_text() == "precious"
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"duration_s": float("inf")}, "--duration inf"),
-    ({"duration_s": 0.5}, "--duration 0.5"),
-    ({"kill_every_s": 1e-6}, "--kill-every 1e-06"),
-    ({"seed": -1}, "--seed -1"),
-    ({"seed": 2**40}, "--seed"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"duration_s": float("inf")}, "--duration inf"),
+        ({"duration_s": 0.5}, "--duration 0.5"),
+        ({"kill_every_s": 1e-6}, "--kill-every 1e-06"),
+        ({"seed": -1}, "--seed -1"),
+        ({"seed": 2**40}, "--seed"),
+    ],
+)
 def test_out_of_range_options(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         DemoConfig(**kwargs)  # type: ignore[arg-type]

@@ -52,11 +52,14 @@ def test_seeds_give_different_plans() -> None:
     assert len(plans) == 20
 
 
-@pytest.mark.parametrize(("name", "kwargs"), [
-    ("duration_s", {"duration_s": 0}),
-    ("kill_every_s", {"kill_every_s": -1}),
-    ("stop_hold_s", {"stop_hold_s": 0}),
-])
+@pytest.mark.parametrize(
+    ("name", "kwargs"),
+    [
+        ("duration_s", {"duration_s": 0}),
+        ("kill_every_s", {"kill_every_s": -1}),
+        ("stop_hold_s", {"stop_hold_s": 0}),
+    ],
+)
 def test_plan_rejects_bad_values(name: str, kwargs: dict[str, float]) -> None:
     args = {"seed": 0, "duration_s": 10.0, "kill_every_s": 2.0, "stop_hold_s": 1.0, **kwargs}
     with pytest.raises(ValueError, match=name):
@@ -67,7 +70,9 @@ def test_plan_rejects_bad_values(name: str, kwargs: dict[str, float]) -> None:
 def test_victims_cover_every_replica_evenly(replicas: int) -> None:
     counts = collections.Counter(
         schedule.choose_victim(seed, Injection(i, 1.0, schedule.KILL), replicas)
-        for seed in range(40) for i in range(50))
+        for seed in range(40)
+        for i in range(50)
+    )
     assert set(counts) == set(range(replicas))
     expected = 2000 / replicas
     assert all(abs(c - expected) < 0.25 * expected for c in counts.values()), counts
@@ -105,8 +110,9 @@ def test_decide_every_health_combination(flags: tuple[bool, ...], now: float) ->
 
 
 def test_decide_without_plan_or_peer() -> None:
-    assert schedule.decide(50.0, [], _health(True, True), 0).reason == \
-        "no injection left in the plan"
+    assert (
+        schedule.decide(50.0, [], _health(True, True), 0).reason == "no injection left in the plan"
+    )
     lone = schedule.decide(50.0, PLAN, _health(True), 0)
     assert lone.injection is None and "no peer" in lone.reason
     with pytest.raises(ValueError, match="health"):

@@ -56,8 +56,9 @@ def member(rid: str, **kwargs: object) -> torchft_pb2.QuorumMember:
 def make(min_replicas: int = 1, join_timeout_s: float = 60.0) -> tuple[LighthouseEngine, FakeClock]:
     clock = FakeClock()
     engine = LighthouseEngine(
-        QuorumConfig(min_replicas=min_replicas, join_timeout_s=join_timeout_s,
-                       heartbeat_timeout_s=5.0),
+        QuorumConfig(
+            min_replicas=min_replicas, join_timeout_s=join_timeout_s, heartbeat_timeout_s=5.0
+        ),
         clock=clock,
         wall_clock=lambda: 1_700_000_000.5,
     )
@@ -240,9 +241,7 @@ def test_arrivals_never_miss_a_quorum_the_rule_allows() -> None:
             rid = rng.choice(replicas)
             if action < 0.45:
                 formed_before = engine.num_quorums
-                tickets.append(
-                    engine.join(member(rid, shrink_only=rng.random() < 0.1), Answer())
-                )
+                tickets.append(engine.join(member(rid, shrink_only=rng.random() < 0.1), Answer()))
                 # Requests left out of a quorum that just formed wait for the
                 # next tick or arrival, as in torchft; otherwise nothing waits.
                 if engine.num_quorums == formed_before:

@@ -48,7 +48,10 @@ def test_mixed_steps_vector() -> None:
     r0 = compute_quorum_results("replica_0", 0, 1, members, init_sync=True)
     assert r0.heal and r0.recover_src_replica_rank == 1
     assert r0.recover_src_manager_address == "addr_1"
-    assert compute_quorum_results("replica_1", 0, 1, members, True).recover_dst_replica_ranks == [0, 4]
+    assert compute_quorum_results("replica_1", 0, 1, members, True).recover_dst_replica_ranks == [
+        0,
+        4,
+    ]
     assert compute_quorum_results("replica_3", 0, 1, members, True).recover_dst_replica_ranks == [2]
     assert compute_quorum_results("replica_1", 1, 1, members, True).recover_dst_replica_ranks == [2]
     r = compute_quorum_results("replica_2", 0, 1, members, True)

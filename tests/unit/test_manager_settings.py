@@ -18,17 +18,23 @@ def test_defaults() -> None:
 
 
 def test_environment_beats_default_and_argument_beats_environment() -> None:
-    env = {"TORCHFT_TIMEOUT_SEC": "7", "FTDIST_QUORUM_TIMEOUT_SEC": "9",
-           "TORCHFT_QUORUM_TIMEOUT_SEC": "1", "TORCHFT_LIGHTHOUSE": "http://lh:1",
-           "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "5",
-           "TORCHFT_MANAGER_PORT": "1234"}
+    env = {
+        "TORCHFT_TIMEOUT_SEC": "7",
+        "FTDIST_QUORUM_TIMEOUT_SEC": "9",
+        "TORCHFT_QUORUM_TIMEOUT_SEC": "1",
+        "TORCHFT_LIGHTHOUSE": "http://lh:1",
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "h",
+        "MASTER_PORT": "5",
+        "TORCHFT_MANAGER_PORT": "1234",
+    }
     s = ManagerConfig.resolve(env=env)
     assert s.timeout == timedelta(seconds=7)  # TORCHFT_ name accepted
     assert s.quorum_timeout == timedelta(seconds=9)  # FTDIST_ name wins
     assert (s.lighthouse_addr, s.group_rank, s.group_world_size) == ("http://lh:1", 1, 2)
     assert (s.store_addr, s.store_port, s.port) == ("h", 5, 1234)
-    s = ManagerConfig.resolve(timeout=timedelta(seconds=3), rank=0, lighthouse_addr="x:1",
-                                env=env)
+    s = ManagerConfig.resolve(timeout=timedelta(seconds=3), rank=0, lighthouse_addr="x:1", env=env)
     assert (s.timeout, s.group_rank, s.lighthouse_addr) == (timedelta(seconds=3), 0, "x:1")
 
 

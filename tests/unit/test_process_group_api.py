@@ -23,9 +23,17 @@ from ftdist.process_group import (
 )
 
 SEED_NAMES = [
-    "ProcessGroup", "ProcessGroupWrapper", "ProcessGroupGloo", "ProcessGroupNCCL",
-    "ProcessGroupBaby", "ProcessGroupBabyGloo", "ProcessGroupBabyNCCL", "ProcessGroupDummy",
-    "ErrorSwallowingProcessGroupWrapper", "ManagedProcessGroup", "create_store_client",
+    "ProcessGroup",
+    "ProcessGroupWrapper",
+    "ProcessGroupGloo",
+    "ProcessGroupNCCL",
+    "ProcessGroupBaby",
+    "ProcessGroupBabyGloo",
+    "ProcessGroupBabyNCCL",
+    "ProcessGroupDummy",
+    "ErrorSwallowingProcessGroupWrapper",
+    "ManagedProcessGroup",
+    "create_store_client",
     "extend_device_mesh",
 ]
 
@@ -34,8 +42,17 @@ def test_every_seed_name_exists_and_groups_are_torch_groups() -> None:
     for name in SEED_NAMES:
         assert hasattr(fpg, name), name
     assert issubclass(ProcessGroup, dist.ProcessGroup)
-    for method in ("configure", "allreduce", "allgather", "broadcast", "broadcast_one", "size",
-                   "getBackendName", "register", "unregister"):
+    for method in (
+        "configure",
+        "allreduce",
+        "allgather",
+        "broadcast",
+        "broadcast_one",
+        "size",
+        "getBackendName",
+        "register",
+        "unregister",
+    ):
         assert callable(getattr(ProcessGroup, method)), method
 
 
@@ -71,9 +88,9 @@ def test_ops_before_configure_name_configure(cls: type) -> None:
         (1234, 0, 1, TypeError, "store_addr must be a str"),
     ],
 )
-def test_configure_rejects_bad_input_before_connecting(addr: object, rank: object,
-                                                       world: object, exc: type,
-                                                       needle: str) -> None:
+def test_configure_rejects_bad_input_before_connecting(
+    addr: object, rank: object, world: object, exc: type, needle: str
+) -> None:
     pg = ProcessGroupGloo(timeout=1)
     with pytest.raises(exc, match=needle):
         pg.configure(addr, rank, world)  # type: ignore[arg-type]
@@ -108,7 +125,9 @@ def test_avg_of_integers_is_a_clear_error(store: dist.TCPStore) -> None:
     pg = ProcessGroupGloo(timeout=5)
     pg.configure(_addr(store), 0, 1)
     try:
-        with pytest.raises(ValueError, match=r"AVG needs floating-point tensors, got dtype torch.int64"):
+        with pytest.raises(
+            ValueError, match=r"AVG needs floating-point tensors, got dtype torch.int64"
+        ):
             pg.allreduce([torch.ones(2, dtype=torch.int64)], dist.ReduceOp.AVG)
     finally:
         pg.shutdown()
@@ -139,7 +158,9 @@ def test_abort_fails_pending_and_configure_resumes(store: dist.TCPStore) -> None
     pg.shutdown()
 
 
-def test_register_enables_functional_collectives_and_unregister_undoes(store: dist.TCPStore) -> None:
+def test_register_enables_functional_collectives_and_unregister_undoes(
+    store: dist.TCPStore,
+) -> None:
     pg = ProcessGroupGloo(timeout=5)
     pg.configure(_addr(store), 0, 1)
     name = f"t{uuid.uuid4().hex[:6]}"
@@ -219,7 +240,8 @@ def test_managed_routes_allreduce_to_manager_and_reports_participants() -> None:
 
 def test_wrapper_of_plain_group_cannot_reconfigure(store: dist.TCPStore) -> None:
     plain = torch.distributed.distributed_c10d.ProcessGroupGloo(
-        dist.PrefixStore("plain", store), 0, 1, timedelta(seconds=5))
+        dist.PrefixStore("plain", store), 0, 1, timedelta(seconds=5)
+    )
     wrapper = ProcessGroupWrapper(pg=plain)
     t = torch.ones(1)
     wrapper.allreduce([t]).wait()

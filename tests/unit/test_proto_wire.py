@@ -10,22 +10,46 @@ from ftdist._rpc._proto import ftdist_pb2, torchft_pb2
 # (message, {field name: number}) from torchft's proto, including the fields
 # its 2026 wheels added; ftdist's own extensions use numbers >= 100.
 TORCHFT = {
-    "QuorumMember": {"replica_id": 1, "address": 2, "store_address": 3, "step": 4,
-                     "world_size": 5, "shrink_only": 6, "data": 7, "commit_failures": 8,
-                     "reconfigure_handles": 9},
+    "QuorumMember": {
+        "replica_id": 1,
+        "address": 2,
+        "store_address": 3,
+        "step": 4,
+        "world_size": 5,
+        "shrink_only": 6,
+        "data": 7,
+        "commit_failures": 8,
+        "reconfigure_handles": 9,
+    },
     "Quorum": {"quorum_id": 1, "participants": 2, "created": 3},
     "LighthouseQuorumRequest": {"requester": 1},
     "LighthouseQuorumResponse": {"quorum": 1},
     "LighthouseHeartbeatRequest": {"replica_id": 1},
-    "ManagerQuorumRequest": {"group_rank": 1, "step": 2, "checkpoint_metadata": 3,
-                             "shrink_only": 4, "init_sync": 5, "commit_failures": 6,
-                             "reconfigure_handle": 7},
-    "ManagerQuorumResponse": {"quorum_id": 1, "recover_src_manager_address": 2,
-                              "recover_src_replica_rank": 3, "recover_dst_replica_ranks": 4,
-                              "store_address": 5, "max_step": 6, "max_replica_rank": 7,
-                              "max_world_size": 8, "replica_rank": 9, "replica_world_size": 10,
-                              "heal": 11, "commit_failures": 12, "replica_ids": 13,
-                              "reconfigure_handles": 14},
+    "ManagerQuorumRequest": {
+        "group_rank": 1,
+        "step": 2,
+        "checkpoint_metadata": 3,
+        "shrink_only": 4,
+        "init_sync": 5,
+        "commit_failures": 6,
+        "reconfigure_handle": 7,
+    },
+    "ManagerQuorumResponse": {
+        "quorum_id": 1,
+        "recover_src_manager_address": 2,
+        "recover_src_replica_rank": 3,
+        "recover_dst_replica_ranks": 4,
+        "store_address": 5,
+        "max_step": 6,
+        "max_replica_rank": 7,
+        "max_world_size": 8,
+        "replica_rank": 9,
+        "replica_world_size": 10,
+        "heal": 11,
+        "commit_failures": 12,
+        "replica_ids": 13,
+        "reconfigure_handles": 14,
+    },
     "CheckpointMetadataRequest": {"rank": 1},
     "CheckpointMetadataResponse": {"checkpoint_metadata": 1},
     "ShouldCommitRequest": {"should_commit": 1, "group_rank": 2, "step": 3},
@@ -45,8 +69,10 @@ def test_fields_match_torchft(message: str) -> None:
 
 
 def test_services_and_methods() -> None:
-    services = {s.name: [m.name for m in s.methods]
-                for s in torchft_pb2.DESCRIPTOR.services_by_name.values()}
+    services = {
+        s.name: [m.name for m in s.methods]
+        for s in torchft_pb2.DESCRIPTOR.services_by_name.values()
+    }
     assert services["LighthouseService"] == ["Quorum", "Heartbeat"]
     assert services["ManagerService"] == ["Quorum", "CheckpointMetadata", "ShouldCommit", "Kill"]
     assert torchft_pb2.DESCRIPTOR.package == "torchft"
@@ -63,8 +89,14 @@ def test_optional_fields_keep_presence() -> None:
 # other ftdist versions, so additions only.
 FTDIST = {
     "SubscribeRequest": {"replica_id": 1},
-    "LighthouseEvent": {"kind": 1, "quorum_id": 2, "replica_id": 3, "reason": 4, "time": 5,
-                        "replica_ids": 6},
+    "LighthouseEvent": {
+        "kind": 1,
+        "quorum_id": 2,
+        "replica_id": 3,
+        "reason": 4,
+        "time": 5,
+        "replica_ids": 6,
+    },
     "StatusRequest": {},
     "StatusResponse": {"status_json": 1},
 }
@@ -79,8 +111,9 @@ def test_ftdist_fields(message: str) -> None:
 def test_ftdist_service() -> None:
     assert ftdist_pb2.DESCRIPTOR.package == "ftdist"
     service = ftdist_pb2.DESCRIPTOR.services_by_name["LighthouseEvents"]
-    methods = {m.name: (m.input_type.name, m.output_type.name, m.server_streaming)
-               for m in service.methods}
+    methods = {
+        m.name: (m.input_type.name, m.output_type.name, m.server_streaming) for m in service.methods
+    }
     assert methods == {
         "Subscribe": ("SubscribeRequest", "LighthouseEvent", True),
         "Status": ("StatusRequest", "StatusResponse", False),

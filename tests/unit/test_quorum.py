@@ -152,7 +152,9 @@ def test_vector_split_brain() -> None:
 def test_vector_join_during_shrink() -> None:
     opts = settings(min_replicas=1)
     st = state(
-        participants={"a": NOW, "b": NOW}, heartbeats={"a": NOW, "b": NOW}, prev=("a",),
+        participants={"a": NOW, "b": NOW},
+        heartbeats={"a": NOW, "b": NOW},
+        prev=("a",),
         shrink={"a"},
     )
     assert ids(compute_quorum(NOW, st, opts)) == ["a"]
@@ -181,7 +183,12 @@ def test_quorum_id_ignores_address_and_step_changes() -> None:
 
 @pytest.mark.parametrize(
     "prev, now_ids",
-    [(("a", "b"), ("a",)), (("a",), ("a", "b")), (("a", "b"), ("a", "c")), (("a", "b"), ("b", "a"))],
+    [
+        (("a", "b"), ("a",)),
+        (("a",), ("a", "b")),
+        (("a", "b"), ("a", "c")),
+        (("a", "b"), ("b", "a")),
+    ],
 )
 def test_quorum_id_bumps_on_membership_change(
     prev: tuple[str, ...], now_ids: tuple[str, ...]
@@ -200,10 +207,10 @@ def reference_rule(
     healthy_replicas = {
         rid for rid, t in st.heartbeats.items() if now - t < opts.heartbeat_timeout_s
     }
-    healthy_participants = {
-        rid: d for rid, d in st.participants.items() if rid in healthy_replicas
-    }
-    candidates = sorted((d.member for d in healthy_participants.values()), key=lambda m: m.replica_id)
+    healthy_participants = {rid: d for rid, d in st.participants.items() if rid in healthy_replicas}
+    candidates = sorted(
+        (d.member for d in healthy_participants.values()), key=lambda m: m.replica_id
+    )
     shrink_only = any(d.member.shrink_only for d in healthy_participants.values())
     metadata = (
         f"[{len(healthy_participants)}/{len(st.participants)} participants healthy]"
@@ -265,7 +272,8 @@ def test_exhaustive_three_replicas_match_reference() -> None:
             for joined in itertools.product(_JOINED, repeat=sum(a != "no" for a in asks)):
                 joined_iter = iter(joined)
                 participants = {
-                    rid: next(joined_iter) for rid, a in zip(replicas, asks, strict=True)
+                    rid: next(joined_iter)
+                    for rid, a in zip(replicas, asks, strict=True)
                     if a != "no"
                 }
                 heartbeats = {
@@ -285,12 +293,12 @@ def test_exhaustive_three_replicas_match_reference() -> None:
 def _random_state(rng: random.Random, universe: int) -> LighthouseState[M]:
     replicas = [f"r{i:03d}" for i in rng.sample(range(1000), universe)]
     participants = {
-        rid: NOW - rng.choice([0.0, 1.0, 100.0, 2 * HOUR])
-        for rid in replicas if rng.random() < 0.6
+        rid: NOW - rng.choice([0.0, 1.0, 100.0, 2 * HOUR]) for rid in replicas if rng.random() < 0.6
     }
     heartbeats = {
         rid: NOW - rng.choice([0.0, 1.0, 4.999, 5.0, 50.0])
-        for rid in replicas if rng.random() < 0.8
+        for rid in replicas
+        if rng.random() < 0.8
     }
     shrink = {rid for rid in participants if rng.random() < 0.05}
     prev = None
@@ -358,7 +366,9 @@ def test_members_sorted_by_replica_id_not_arrival() -> None:
 def test_shrink_only_never_forms_an_empty_quorum() -> None:
     # Only newcomers ask, one of them shrink_only, and the old members are gone.
     st = state(
-        participants={"c": NOW, "d": NOW}, heartbeats={"c": NOW, "d": NOW}, prev=("a", "b"),
+        participants={"c": NOW, "d": NOW},
+        heartbeats={"c": NOW, "d": NOW},
+        prev=("a", "b"),
         shrink={"c"},
     )
     decision = compute_quorum(NOW, st, settings(min_replicas=1))

@@ -51,8 +51,9 @@ def test_parse_rejects_non_str() -> None:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "[::1]"])
 def test_create_store_client_round_trip(host: str) -> None:
-    server = dist.TCPStore("127.0.0.1" if host != "[::1]" else "::1", 0, is_master=True,
-                           wait_for_workers=False)
+    server = dist.TCPStore(
+        "127.0.0.1" if host != "[::1]" else "::1", 0, is_master=True, wait_for_workers=False
+    )
     client = create_store_client(f"{host}:{server.port}/pre/fix", timeout=timedelta(seconds=5))
     client.set("k", "v")
     assert server.get("pre/fix/k") == b"v"

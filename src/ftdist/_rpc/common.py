@@ -81,9 +81,6 @@ def client_channel_options() -> list[tuple[str, int]]:
 
     Returns:
         gRPC channel options.
-
-    Raises:
-        Nothing.
     """
     return [
         ("grpc.initial_reconnect_backoff_ms", 100),
@@ -110,9 +107,6 @@ def server_options() -> list[tuple[str, int]]:
 
     Returns:
         gRPC server options.
-
-    Raises:
-        Nothing.
     """
     return [
         ("grpc.so_reuseport", 0),
@@ -143,8 +137,7 @@ def map_rpc_error(exc: grpc.RpcError, what: str) -> Exception:
     Returns:
         The exception to raise (``raise map_rpc_error(e, ...) from e``).
 
-    Raises:
-        Nothing: it returns the exception instead.
+    It returns the exception instead.
     """
     code = exc.code() if isinstance(exc, grpc.Call) else None
     details = exc.details() if isinstance(exc, grpc.Call) else str(exc)

@@ -93,8 +93,7 @@ class RpcCall:
     def reply(self, payload: bytes) -> None:
         """Answer with ``payload`` and status OK. Ignored once done.
 
-        Raises:
-            Nothing; a call whose client left completes silently.
+        A call whose client left completes silently.
         """
         if self.done:
             return
@@ -109,9 +108,6 @@ class RpcCall:
         """End the call with an error status. Ignored once done.
 
         A stream with messages still queued ends after they are sent.
-
-        Raises:
-            Nothing.
         """
         if self.done:
             return
@@ -137,11 +133,7 @@ class RpcCall:
     # -- server streaming ---------------------------------------------------
 
     def send(self, payload: bytes) -> None:
-        """Queue one message of a server-streaming response. Ignored once done.
-
-        Raises:
-            Nothing.
-        """
+        """Queue one message of a server-streaming response. Ignored once done."""
         if self.done or self._finish is not None:
             return
         if self._sending:
@@ -172,18 +164,12 @@ class RpcCall:
         elif self._finish is not None:
             code, details = self._finish
             self._finish = None
-            ops: list[Any] = [
-                cygrpc.SendStatusFromServerOperation(None, code, details, _NO_FLAGS)
-            ]
+            ops: list[Any] = [cygrpc.SendStatusFromServerOperation(None, code, details, _NO_FLAGS)]
             self._end(ops)
 
     @property
     def pending_messages(self) -> int:
-        """Messages queued but not yet handed to the transport.
-
-        Raises:
-            Nothing.
-        """
+        """Messages queued but not yet handed to the transport."""
         return len(self._outbox) if self._outbox else 0
 
     # -- cancellation -------------------------------------------------------
@@ -191,9 +177,6 @@ class RpcCall:
     def on_cancel(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (on the server thread) if the client goes away
         before the call is answered: cancel, disconnect or deadline.
-
-        Raises:
-            Nothing.
         """
         self._on_cancel = callback
         if not self._close_watched:
@@ -283,8 +266,7 @@ class CompletionQueueServer:
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the server thread within about 20 ms. Thread-safe.
 
-        Raises:
-            Nothing; what ``fn`` raises is logged on the server thread.
+        What ``fn`` raises is logged on the server thread.
         """
         self._commands.append(fn)
 
@@ -319,9 +301,6 @@ class CompletionQueueServer:
     def stop(self, grace_s: float) -> None:
         """Stop accepting calls, give running ones ``grace_s`` seconds to end,
         cancel the rest and join the thread. Thread-safe and idempotent.
-
-        Raises:
-            Nothing.
         """
         if not self._thread.is_alive():
             return

@@ -71,8 +71,7 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(cast(Any, flat.view(torch.uint8).numpy())).cast("B")
 
 
-def plan(state_dict: Any, step: int, num_chunks: int = 1
-         ) -> list[tuple[bytes, list[torch.Tensor]]]:
+def plan(state_dict: Any, step: int, num_chunks: int = 1) -> list[tuple[bytes, list[torch.Tensor]]]:
     """Split a state dict into ``num_chunks`` streams: (encoded header, tensors) each.
 
     Tensor leaves are dealt round-robin across the chunks; every chunk's
@@ -89,13 +88,16 @@ def plan(state_dict: Any, step: int, num_chunks: int = 1
     for index, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
             if type(leaf) is not torch.Tensor and not isinstance(leaf, torch.nn.Parameter):
-                raise TypeError(f"cannot stream a {type(leaf).__name__} leaf; convert it to a "
-                                "plain tensor (e.g. DTensor.to_local()) in the state_dict function")
+                raise TypeError(
+                    f"cannot stream a {type(leaf).__name__} leaf; convert it to a "
+                    "plain tensor (e.g. DTensor.to_local()) in the state_dict function"
+                )
             if leaf.layout != torch.strided:
                 raise TypeError(f"cannot stream a {leaf.layout} tensor; densify it first")
             t = leaf.detach()
-            metas.append(TensorMeta(tuple(t.shape), t.dtype, str(t.device),
-                                    t.numel() * t.element_size()))
+            metas.append(
+                TensorMeta(tuple(t.shape), t.dtype, str(t.device), t.numel() * t.element_size())
+            )
             tensors.append(t)
             tensor_index.append(index)
         else:
@@ -108,9 +110,11 @@ def plan(state_dict: Any, step: int, num_chunks: int = 1
         portable_spec = spec
     streams = []
     for chunk in range(max(1, num_chunks)):
-        carried = tensor_index[chunk::max(1, num_chunks)]
-        header = pickle.dumps(Header(step, portable_spec, metas, carried), protocol=pickle.HIGHEST_PROTOCOL)
-        streams.append((header, tensors[chunk::max(1, num_chunks)]))
+        carried = tensor_index[chunk :: max(1, num_chunks)]
+        header = pickle.dumps(
+            Header(step, portable_spec, metas, carried), protocol=pickle.HIGHEST_PROTOCOL
+        )
+        streams.append((header, tensors[chunk :: max(1, num_chunks)]))
     return streams
 
 
@@ -142,11 +146,11 @@ def chunks(header: bytes, tensors: list[torch.Tensor]) -> Iterator[memoryview | 
         if t.device.type == "cpu":
             view = _byte_view(t.contiguous())
             for start in range(0, len(view), CHUNK_BYTES):
-                yield emit(view[start:start + CHUNK_BYTES])
+                yield emit(view[start : start + CHUNK_BYTES])
         else:
             flat = t.contiguous().reshape(-1).view(torch.uint8)
             for start in range(0, flat.numel(), CHUNK_BYTES):
-                yield emit(_byte_view(flat[start:start + CHUNK_BYTES].cpu()))
+                yield emit(_byte_view(flat[start : start + CHUNK_BYTES].cpu()))
     yield _TRAILER.pack(total, crc)
 
 
@@ -156,7 +160,7 @@ def crc_update(crc: int, t: torch.Tensor) -> int:
         return zlib.crc32(_byte_view(t.contiguous()), crc)
     flat = t.contiguous().reshape(-1).view(torch.uint8)
     for start in range(0, flat.numel(), CHUNK_BYTES):
-        crc = zlib.crc32(_byte_view(flat[start:start + CHUNK_BYTES].cpu()), crc)
+        crc = zlib.crc32(_byte_view(flat[start : start + CHUNK_BYTES].cpu()), crc)
     return crc
 
 
@@ -202,7 +206,7 @@ class StreamReader:
         """
         prefix = bytearray(len(MAGIC) + _LEN.size)
         self._fill(memoryview(prefix))
-        if bytes(prefix[:len(MAGIC)]) != MAGIC:
+        if bytes(prefix[: len(MAGIC)]) != MAGIC:
             raise CheckpointError(f"{self._what} did not send an ftdist checkpoint stream")
         (length,) = _LEN.unpack_from(prefix, len(MAGIC))
         raw = bytearray(length)
@@ -216,7 +220,7 @@ class StreamReader:
         """Fill contiguous CPU tensor ``t`` from the stream."""
         view = _byte_view(t)
         for start in range(0, len(view), CHUNK_BYTES):
-            self._fill(view[start:start + CHUNK_BYTES])
+            self._fill(view[start : start + CHUNK_BYTES])
 
     def read_trailer(self) -> None:
         """Check the trailer against what was read.
@@ -234,9 +238,9 @@ class StreamReader:
             )
 
 
-def read_leaves(reader: StreamReader, step: int,
-                device: Callable[[TensorMeta], torch.device] | None = None
-                ) -> tuple[Header, dict[int, torch.Tensor]]:
+def read_leaves(
+    reader: StreamReader, step: int, device: Callable[[TensorMeta], torch.device] | None = None
+) -> tuple[Header, dict[int, torch.Tensor]]:
     """Read one stream into fresh tensors: the header and {leaf index: tensor}.
 
     Args:

@@ -25,7 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit
 
 import torch
@@ -72,8 +72,9 @@ class HTTPTransport(CheckpointTransport[T]):
         TypeError: ``timeout`` is not a timedelta.
     """
 
-    def __init__(self, timeout: timedelta, num_chunks: int = 0,
-                 hostname: str | None = None) -> None:
+    def __init__(
+        self, timeout: timedelta, num_chunks: int = 0, hostname: str | None = None
+    ) -> None:
         if not isinstance(timeout, timedelta):
             raise TypeError(f"timeout must be a datetime.timedelta, got {timeout!r}")
         if not isinstance(num_chunks, int) or num_chunks < 0:
@@ -89,8 +90,12 @@ class HTTPTransport(CheckpointTransport[T]):
         self._state_ref: Any = None
         self.last_transfer: TransferStats | None = None
         self._server = _Server(("::", 0), self._handler_class())
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
-                                        name="ftdist-http-transport", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.1},
+            name="ftdist-http-transport",
+            daemon=True,
+        )
         self._thread.start()
 
     # -- serving -------------------------------------------------------------
@@ -131,8 +136,9 @@ class HTTPTransport(CheckpointTransport[T]):
                 req.send_error(400, f"serving the checkpoint of step {self._step}, not step {step}")
                 return
             if key == "full":
-                streams = self._streams if len(self._streams) == 1 else \
-                    _wire.plan(self._state_ref, step)
+                streams = (
+                    self._streams if len(self._streams) == 1 else _wire.plan(self._state_ref, step)
+                )
             elif key.isdigit() and int(key) < len(self._streams):
                 streams = [self._streams[int(key)]]
             else:
@@ -165,8 +171,9 @@ class HTTPTransport(CheckpointTransport[T]):
         host = f"[{self._hostname}]" if ":" in self._hostname else self._hostname
         return f"http://{host}:{self._server.server_address[1]}/checkpoint/"
 
-    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: T,
-                        timeout: timedelta) -> None:
+    def send_checkpoint(
+        self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta
+    ) -> None:
         """Serve ``state_dict`` (by reference, not copied) as step ``step``.
 
         Returns at once; peers pull. The state must not change until
@@ -199,11 +206,13 @@ class HTTPTransport(CheckpointTransport[T]):
         self._step = -1
 
     # -- fetching ------------------------------------------------------------
-    def _fetch(self, url: str, step: int, timeout: timedelta
-               ) -> tuple[_wire.Header, dict[int, torch.Tensor], int]:
+    def _fetch(
+        self, url: str, step: int, timeout: timedelta
+    ) -> tuple[_wire.Header, dict[int, torch.Tensor], int]:
         parts = urlsplit(url)
-        conn = http.client.HTTPConnection(parts.hostname or "", parts.port,
-                                          timeout=timeout.total_seconds())
+        conn = http.client.HTTPConnection(
+            parts.hostname or "", parts.port, timeout=timeout.total_seconds()
+        )
         try:
             conn.connect()
             conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -222,8 +231,7 @@ class HTTPTransport(CheckpointTransport[T]):
         finally:
             conn.close()
 
-    def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
-                        timeout: timedelta) -> T:
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
         """Fetch the state of ``step`` from the source at ``metadata``.
 
         Raises:
@@ -237,12 +245,15 @@ class HTTPTransport(CheckpointTransport[T]):
             header, tensors, nbytes = self._fetch(f"{base}/full", step, timeout)
         else:
             with ThreadPoolExecutor(self._num_chunks, thread_name_prefix="ftdist-fetch") as pool:
-                parts = list(pool.map(lambda i: self._fetch(f"{base}/{i}", step, timeout),
-                                      range(self._num_chunks)))
+                parts = list(
+                    pool.map(
+                        lambda i: self._fetch(f"{base}/{i}", step, timeout), range(self._num_chunks)
+                    )
+                )
             header = parts[0][0]
             tensors = {k: v for part in parts for k, v in part[1].items()}
             nbytes = sum(part[2] for part in parts)
-        state = _wire.assemble(header, tensors)
+        state = cast(T, _wire.assemble(header, tensors))
         self.last_transfer = TransferStats(nbytes, time.perf_counter() - start)
         return state
 

@@ -16,7 +16,7 @@ import time
 import zlib
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -44,8 +44,13 @@ class PGTransport(CheckpointTransport[T]):
         TypeError: ``timeout`` is not a timedelta.
     """
 
-    def __init__(self, pg: Any, timeout: timedelta, device: torch.device | str = "cpu",
-                 state_dict: Callable[[], T] | None = None) -> None:
+    def __init__(
+        self,
+        pg: Any,
+        timeout: timedelta,
+        device: torch.device | str = "cpu",
+        state_dict: Callable[[], T] | None = None,
+    ) -> None:
         if not isinstance(timeout, timedelta):
             raise TypeError(f"timeout must be a datetime.timedelta, got {timeout!r}")
         self._pg = pg
@@ -61,8 +66,9 @@ class PGTransport(CheckpointTransport[T]):
     def _wait(self, work: Any, timeout: timedelta | None) -> None:
         work.wait(timeout or self._timeout)
 
-    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: T,
-                        timeout: timedelta | None = None) -> None:
+    def send_checkpoint(
+        self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta | None = None
+    ) -> None:
         """Send ``state_dict`` of ``step`` to every rank in ``dst_ranks``; blocks.
 
         Raises:
@@ -73,8 +79,10 @@ class PGTransport(CheckpointTransport[T]):
         prefix = _wire.stream_prefix(header) + header
         raw = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
         for dst in dst_ranks:
-            self._wait(self._pg.send([torch.tensor([raw.numel()], dtype=torch.int64)], dst,
-                                     _TAG_LEN), timeout)
+            self._wait(
+                self._pg.send([torch.tensor([raw.numel()], dtype=torch.int64)], dst, _TAG_LEN),
+                timeout,
+            )
             self._wait(self._pg.send([raw.to(self._device)], dst, _TAG_HEADER), timeout)
             # The CRC is folded in while each tensor is on the wire: no
             # separate pass over the state before sending.
@@ -85,12 +93,15 @@ class PGTransport(CheckpointTransport[T]):
                 crc = _wire.crc_update(crc, t)
                 total += t.numel() * t.element_size()
                 self._wait(work, timeout)
-            self._wait(self._pg.send([torch.tensor([total, crc], dtype=torch.int64)], dst,
-                                     _TAG_TRAILER), timeout)
+            self._wait(
+                self._pg.send([torch.tensor([total, crc], dtype=torch.int64)], dst, _TAG_TRAILER),
+                timeout,
+            )
         self.last_transfer = TransferStats(total * len(dst_ranks), time.perf_counter() - start)
 
-    def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
-                        timeout: timedelta | None = None) -> T:
+    def recv_checkpoint(
+        self, src_rank: int, metadata: str, step: int, timeout: timedelta | None = None
+    ) -> T:
         """Receive the state of ``step`` from ``src_rank``.
 
         Raises:
@@ -104,18 +115,23 @@ class PGTransport(CheckpointTransport[T]):
         self._wait(self._pg.recv([raw], src_rank, _TAG_HEADER), timeout)
         raw_bytes = raw.cpu().numpy().tobytes()
         crc = zlib.crc32(raw_bytes)
-        header = pickle.loads(raw_bytes[len(_wire.stream_prefix(b"")):])
+        header = pickle.loads(raw_bytes[len(_wire.stream_prefix(b"")) :])
         if header.step != step:
-            raise CheckpointError(f"refusing checkpoint of step {header.step} from rank "
-                                  f"{src_rank}: expected step {step}")
+            raise CheckpointError(
+                f"refusing checkpoint of step {header.step} from rank "
+                f"{src_rank}: expected step {step}"
+            )
         targets = self._in_place_targets(header)
         tensors: dict[int, torch.Tensor] = {}
         total = len(raw_bytes)
         for i, index in enumerate(header.carried):
             meta = header.leaves[index]
             target = targets.get(index)
-            dst = target if target is not None else torch.empty(meta.shape, dtype=meta.dtype,
-                                                                device=self._device)
+            dst = (
+                target
+                if target is not None
+                else torch.empty(meta.shape, dtype=meta.dtype, device=self._device)
+            )
             wire = dst.reshape(-1).view(torch.uint8)
             self._wait(self._pg.recv([wire], src_rank, _TAG_TENSOR + i), timeout)
             crc = _wire.crc_update(crc, dst)
@@ -130,7 +146,7 @@ class PGTransport(CheckpointTransport[T]):
                 f"CRC-32 {crc:#010x}, sender wrote {sent_total} bytes with CRC-32 {sent_crc:#010x}"
             )
         self.last_transfer = TransferStats(total, time.perf_counter() - start)
-        return _wire.assemble(header, tensors)
+        return cast(T, _wire.assemble(header, tensors))
 
     def _in_place_targets(self, header: _wire.Header) -> dict[int, torch.Tensor]:
         if self._state_dict is None:
@@ -141,8 +157,12 @@ class PGTransport(CheckpointTransport[T]):
         targets = {}
         for index in header.carried:
             meta, mine = header.leaves[index], leaves[index]
-            if (isinstance(mine, torch.Tensor) and tuple(mine.shape) == meta.shape
-                    and mine.dtype == meta.dtype and mine.is_contiguous()
-                    and mine.device.type == self._device.type):
+            if (
+                isinstance(mine, torch.Tensor)
+                and tuple(mine.shape) == meta.shape
+                and mine.dtype == meta.dtype
+                and mine.is_contiguous()
+                and mine.device.type == self._device.type
+            ):
                 targets[index] = mine.detach()
         return targets

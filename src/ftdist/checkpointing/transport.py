@@ -45,8 +45,9 @@ class CheckpointTransport(ABC, Generic[T]):
         """What a peer needs to fetch this rank's checkpoint (e.g. a URL)."""
 
     @abstractmethod
-    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: T,
-                        timeout: timedelta) -> None:
+    def send_checkpoint(
+        self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta
+    ) -> None:
         """Make ``state_dict`` of ``step`` available to ``dst_ranks`` (may return early).
 
         Raises:
@@ -57,8 +58,7 @@ class CheckpointTransport(ABC, Generic[T]):
         """Stop serving the state; returns once no transfer reads it any more."""
 
     @abstractmethod
-    def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
-                        timeout: timedelta) -> T:
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
         """Fetch the state dict of ``step`` from replica ``src_rank``.
 
         Raises:

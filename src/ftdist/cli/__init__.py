@@ -44,4 +44,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     return int(handler(args) or 0)
-

@@ -30,38 +30,80 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     """
     d = DemoConfig()
     parser: argparse.ArgumentParser = subparsers.add_parser(
-        "demo", help="run the fault-tolerance demo: training with injected failures",
+        "demo",
+        help="run the fault-tolerance demo: training with injected failures",
         description="Train a small model on several replica groups while killing and hanging "
-                    "them on a seeded schedule; report whether every replica ended with "
-                    "bit-identical weights.")
-    parser.add_argument("--replicas", type=int, default=d.replicas,
-                        help=f"replica groups (processes) to run (default {d.replicas})")
-    parser.add_argument("--duration", type=float, default=d.duration_s, metavar="SECONDS",
-                        help=f"training time before the run ends (default {d.duration_s:g})")
-    parser.add_argument("--kill-every", type=float, default=d.kill_every_s, metavar="SECONDS",
-                        help=f"mean time between injected failures (default {d.kill_every_s:g})")
-    parser.add_argument("--seed", type=int, default=d.seed,
-                        help="seeds the data, the weights and the failure plan (default 0)")
-    parser.add_argument("--no-failures", action="store_true",
-                        help="inject no failures (a plain fault-tolerant training run)")
-    parser.add_argument("--baseline", action="store_true",
-                        help="also run the same job without failures and compare the loss")
-    parser.add_argument("--out", default=d.out, metavar="DIR",
-                        help=f"where report.json, report.png and events go (default {d.out})")
-    parser.add_argument("--lighthouse", default=None, metavar="ADDR",
-                        help="join this lighthouse instead of embedding one")
-    parser.add_argument("--plain", action="store_true",
-                        help="plain line-by-line output even on a terminal")
+        "them on a seeded schedule; report whether every replica ended with "
+        "bit-identical weights.",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=d.replicas,
+        help=f"replica groups (processes) to run (default {d.replicas})",
+    )
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=d.duration_s,
+        metavar="SECONDS",
+        help=f"training time before the run ends (default {d.duration_s:g})",
+    )
+    parser.add_argument(
+        "--kill-every",
+        type=float,
+        default=d.kill_every_s,
+        metavar="SECONDS",
+        help=f"mean time between injected failures (default {d.kill_every_s:g})",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=d.seed,
+        help="seeds the data, the weights and the failure plan (default 0)",
+    )
+    parser.add_argument(
+        "--no-failures",
+        action="store_true",
+        help="inject no failures (a plain fault-tolerant training run)",
+    )
+    parser.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also run the same job without failures and compare the loss",
+    )
+    parser.add_argument(
+        "--out",
+        default=d.out,
+        metavar="DIR",
+        help=f"where report.json, report.png and events go (default {d.out})",
+    )
+    parser.add_argument(
+        "--lighthouse",
+        default=None,
+        metavar="ADDR",
+        help="join this lighthouse instead of embedding one",
+    )
+    parser.add_argument(
+        "--plain", action="store_true", help="plain line-by-line output even on a terminal"
+    )
     parser.set_defaults(handler=_handle)
     return parser
 
 
 def _handle(args: argparse.Namespace) -> int:
     try:
-        opts = DemoConfig(replicas=args.replicas, duration_s=args.duration,
-                           kill_every_s=args.kill_every, seed=args.seed,
-                           failures=not args.no_failures, baseline=args.baseline,
-                           out=args.out, lighthouse=args.lighthouse, plain=args.plain)
+        opts = DemoConfig(
+            replicas=args.replicas,
+            duration_s=args.duration,
+            kill_every_s=args.kill_every,
+            seed=args.seed,
+            failures=not args.no_failures,
+            baseline=args.baseline,
+            out=args.out,
+            lighthouse=args.lighthouse,
+            plain=args.plain,
+        )
     except (TypeError, ValueError) as exc:
         print(f"ftdist demo: {exc}", file=sys.stderr)
         return 2
@@ -73,6 +115,9 @@ def _handle(args: argparse.Namespace) -> int:
         print(f"ftdist demo: {exc}", file=sys.stderr)
         return 2
     except CoordinationError as exc:
-        print(f"ftdist demo: {exc}\nStart one with `ftdist lighthouse`, or leave out "
-              "--lighthouse to embed one.", file=sys.stderr)
+        print(
+            f"ftdist demo: {exc}\nStart one with `ftdist lighthouse`, or leave out "
+            "--lighthouse to embed one.",
+            file=sys.stderr,
+        )
         return 2

@@ -32,9 +32,6 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
     Returns:
         The subcommand's parser.
-
-    Raises:
-        Nothing.
     """
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "lighthouse",
@@ -120,8 +117,7 @@ def run(args: argparse.Namespace) -> int:
         0 after a clean stop, 1 if a port cannot be bound, 2 on a
         configuration error.
 
-    Raises:
-        Nothing: errors are reported on stderr and in the exit status.
+    Errors are reported on stderr and in the exit status.
     """
     logging.basicConfig(
         level=args.log_level,

@@ -99,9 +99,6 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
     Returns:
         The subcommand's parser.
-
-    Raises:
-        Nothing.
     """
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "status",
@@ -141,16 +138,16 @@ def run(args: argparse.Namespace) -> int:
         could not be asked in time or refused, 2 if the address is missing or
         malformed.
 
-    Raises:
-        Nothing: errors are reported on stderr, one line each, and in the
-        exit status.
+    Errors are reported on stderr, one line each, and in the exit status.
     """
     addr = args.addr or next(
         (os.environ[name] for name in _ENV_ADDRESS if os.environ.get(name)), None
     )
     if not addr:
-        _error("no lighthouse address: pass ADDR (host:port or http://host:port) "
-               "or set FTDIST_LIGHTHOUSE")
+        _error(
+            "no lighthouse address: pass ADDR (host:port or http://host:port) "
+            "or set FTDIST_LIGHTHOUSE"
+        )
         return 2
     try:
         _rpc.grpc_target(addr)
@@ -252,8 +249,8 @@ def _watch(fetcher: _Fetcher, as_json: bool, period_s: float) -> int:
         else:
             stamp = dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
             header = f"Every {period_s:g} s: {_PROG} {fetcher.addr}    {stamp}\n\n"
-            body = render(document, fetcher.addr) if document is not None else (
-                f"error: {problem}\n"
+            body = (
+                render(document, fetcher.addr) if document is not None else (f"error: {problem}\n")
             )
             frame = (_CLEAR if redraw else "") + header + body + ("" if redraw else "\n")
             out.write(frame)
@@ -359,9 +356,6 @@ def render(document: Mapping[str, Any], address: str) -> str:
 
     Returns:
         The text, ending in a newline.
-
-    Raises:
-        Nothing.
     """
     lines: list[str] = []
     heading = f"Lighthouse {_clean(address)}"
@@ -386,8 +380,11 @@ def render(document: Mapping[str, Any], address: str) -> str:
         when = ""
         if isinstance(created, str):
             with contextlib.suppress(ValueError):
-                when = " (" + dt.datetime.fromisoformat(created).strftime(
-                    "%Y-%m-%d %H:%M:%S UTC") + ")"
+                when = (
+                    " ("
+                    + dt.datetime.fromisoformat(created).strftime("%Y-%m-%d %H:%M:%S UTC")
+                    + ")"
+                )
         title = f"Quorum {_clean(quorum.get('quorum_id'))}"
         if "age_s" in quorum:
             title += f", formed {_ago(quorum['age_s'])}{when}"
@@ -408,11 +405,13 @@ def render(document: Mapping[str, Any], address: str) -> str:
                 ]
                 for m in members
             ]
-            lines.extend(_table(
-                ["REPLICA", "STEP", "WORLD", "STATE", "HEARTBEAT", "MANAGER"],
-                rows,
-                right=frozenset({1, 2}),
-            ))
+            lines.extend(
+                _table(
+                    ["REPLICA", "STEP", "WORLD", "STATE", "HEARTBEAT", "MANAGER"],
+                    rows,
+                    right=frozenset({1, 2}),
+                )
+            )
     lines.append("")
     next_quorum = document.get("next_quorum") or {}
     if next_quorum:
@@ -422,12 +421,20 @@ def render(document: Mapping[str, Any], address: str) -> str:
     waiting = list(document.get("waiting") or [])
     if waiting:
         lines.append(f"Waiting for the next quorum: {_plural(len(waiting), 'request')}")
-        lines.extend(_table(
-            ["REPLICA", "STEP", "WAITED"],
-            [[_clean(w.get("replica_id")), _number(w.get("step")), _duration(w.get("waited_s"))]
-             for w in waiting],
-            right=frozenset({1}),
-        ))
+        lines.extend(
+            _table(
+                ["REPLICA", "STEP", "WAITED"],
+                [
+                    [
+                        _clean(w.get("replica_id")),
+                        _number(w.get("step")),
+                        _duration(w.get("waited_s")),
+                    ]
+                    for w in waiting
+                ],
+                right=frozenset({1}),
+            )
+        )
     elif next_quorum:
         lines.append("Waiting for the next quorum: none")
 
@@ -441,11 +448,19 @@ def render(document: Mapping[str, Any], address: str) -> str:
             f"Heartbeats: {_plural(len(heartbeats), 'replica group')}, {healthy} within the "
             "heartbeat timeout"
         )
-        lines.extend(_table(
-            ["REPLICA", "LAST HEARTBEAT", ""],
-            [[_clean(h.get("replica_id")), _ago(h.get("age_s")),
-              "" if h.get("healthy") else "expired"] for h in heartbeats],
-        ))
+        lines.extend(
+            _table(
+                ["REPLICA", "LAST HEARTBEAT", ""],
+                [
+                    [
+                        _clean(h.get("replica_id")),
+                        _ago(h.get("age_s")),
+                        "" if h.get("healthy") else "expired",
+                    ]
+                    for h in heartbeats
+                ],
+            )
+        )
     return "\n".join(lines) + "\n"
 
 

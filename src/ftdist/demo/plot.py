@@ -50,12 +50,13 @@ def write_png(report: dict[str, Any], path: str) -> str | None:
     ax_loss, ax_part = axes[0], axes[1]
     t = [p["t_s"] for p in curve]
     ax_loss.plot(t, [p["loss"] for p in curve], color="#9ab", lw=0.6, label="loss per step")
-    ax_loss.plot(t, _smooth([p["loss"] for p in curve]), color="#135", lw=1.6,
-                 label="smoothed")
+    ax_loss.plot(t, _smooth([p["loss"] for p in curve]), color="#135", lw=1.6, label="smoothed")
     ax_loss.set_ylabel("training loss")
-    ax_loss.set_title(f"ftdist demo: {run['replicas'].__len__()} replica groups, "
-                      f"{run['failures_injected']['total']} failures injected - "
-                      f"{'PASS' if report['verdict']['ok'] else 'FAIL'}")
+    ax_loss.set_title(
+        f"ftdist demo: {run['replicas'].__len__()} replica groups, "
+        f"{run['failures_injected']['total']} failures injected - "
+        f"{'PASS' if report['verdict']['ok'] else 'FAIL'}"
+    )
     all_t = [p["t_s"] for p in run["curve"]]
     ax_part.step(all_t, [p["participants"] for p in run["curve"]], where="post", color="#2a6")
     ax_part.set_ylabel("participating groups")
@@ -70,20 +71,35 @@ def write_png(report: dict[str, Any], path: str) -> str | None:
                 label = "SIGKILL" if inj["kind"] == "kill" else "SIGSTOP"
             ax.axvline(inj["t_s"], color=color, ls="--", lw=1, label=label)
             if ax is ax_part:
-                ax.annotate(f"{inj['kind']} r{inj['replica']}", (inj["t_s"], 0.2),
-                            rotation=90, fontsize=7, color=color, ha="right")
+                ax.annotate(
+                    f"{inj['kind']} r{inj['replica']}",
+                    (inj["t_s"], 0.2),
+                    rotation=90,
+                    fontsize=7,
+                    color=color,
+                    ha="right",
+                )
         for heal in run["heals"]:
             if heal["role"] == "receive" and heal["step"] > 0 and ax is ax_part:
-                ax.plot([heal["t_s"]], [len(run["replicas"])], marker="o", color="#26c",
-                        ms=4)
+                ax.plot([heal["t_s"]], [len(run["replicas"])], marker="o", color="#26c", ms=4)
     ax_loss.legend(loc="upper right", fontsize=8)
     if base:
         ax_cmp = axes[2]
         theirs = [p for p in base["curve"] if p["loss"] is not None]
-        ax_cmp.plot([p["step"] for p in theirs], _smooth([p["loss"] for p in theirs]),
-                    color="#888", lw=1.4, label="without failures (baseline)")
-        ax_cmp.plot([p["step"] for p in curve], _smooth([p["loss"] for p in curve]),
-                    color="#135", lw=1.4, label="with failures")
+        ax_cmp.plot(
+            [p["step"] for p in theirs],
+            _smooth([p["loss"] for p in theirs]),
+            color="#888",
+            lw=1.4,
+            label="without failures (baseline)",
+        )
+        ax_cmp.plot(
+            [p["step"] for p in curve],
+            _smooth([p["loss"] for p in curve]),
+            color="#135",
+            lw=1.4,
+            label="with failures",
+        )
         ax_cmp.set_xlabel("step")
         ax_cmp.set_ylabel("training loss (smoothed)")
         ax_cmp.legend(loc="upper right", fontsize=8)

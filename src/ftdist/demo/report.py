@@ -26,17 +26,19 @@ LOSS_WINDOW = 50
 
 
 def loss_curve(record: RunRecord) -> list[dict[str, Any]]:
-    """Per committed step: wall time, mean loss of the participants, participants.
-
-    Raises:
-        Nothing.
-    """
+    """Per committed step: wall time, mean loss of the participants, participants."""
     curve = []
     for step in sorted(record.steps):
         entry = record.steps[step]
         losses = list(entry["losses"].values())
-        curve.append({"step": step, "t_s": entry["t_s"], "participants": entry["participants"],
-                      "loss": statistics.fmean(losses) if losses else None})
+        curve.append(
+            {
+                "step": step,
+                "t_s": entry["t_s"],
+                "participants": entry["participants"],
+                "loss": statistics.fmean(losses) if losses else None,
+            }
+        )
     return curve
 
 
@@ -50,40 +52,37 @@ def verdict(record: RunRecord) -> dict[str, Any]:
 
     Returns:
         ``{"ok": bool, "reason": str, "step": int | None, "hashes": {replica: hash}}``.
-
-    Raises:
-        Nothing.
     """
     finals = {f"replica{rs.replica}": rs.final for rs in record.replicas}
     hashes = {name: f["hash"] for name, f in finals.items() if f is not None}
     steps = {name: f["step"] for name, f in finals.items() if f is not None}
     missing = sorted(name for name, f in finals.items() if f is None)
-    out: dict[str, Any] = {"ok": False, "hashes": hashes, "steps": steps,
-                           "step": record.stop_step}
+    out: dict[str, Any] = {"ok": False, "hashes": hashes, "steps": steps, "step": record.stop_step}
     if missing:
         out["reason"] = f"no final state from {', '.join(missing)}"
     elif record.unexpected_exits:
-        exits = ", ".join(f"replica{e['replica']} (exit code {e['exitcode']})"
-                          for e in record.unexpected_exits)
+        exits = ", ".join(
+            f"replica{e['replica']} (exit code {e['exitcode']})" for e in record.unexpected_exits
+        )
         out["reason"] = f"replica groups died without an injected failure: {exits}"
     elif len(set(steps.values())) != 1:
         out["reason"] = f"replicas stopped at different steps: {steps}"
     elif len(set(hashes.values())) != 1:
-        out["reason"] = (f"replica weights differ at step {next(iter(steps.values()))}: "
-                         + ", ".join(f"{k} {v[:12]}" for k, v in hashes.items()))
+        out["reason"] = (
+            f"replica weights differ at step {next(iter(steps.values()))}: "
+            + ", ".join(f"{k} {v[:12]}" for k, v in hashes.items())
+        )
     else:
         out["ok"] = True
-        out["reason"] = (f"all {len(hashes)} replica groups hold bit-identical weights and "
-                         f"optimizer state at step {next(iter(steps.values()))}")
+        out["reason"] = (
+            f"all {len(hashes)} replica groups hold bit-identical weights and "
+            f"optimizer state at step {next(iter(steps.values()))}"
+        )
     return out
 
 
 def run_summary(record: RunRecord) -> dict[str, Any]:
-    """One run's part of the report.
-
-    Raises:
-        Nothing.
-    """
+    """One run's part of the report."""
     curve = loss_curve(record)
     finals = [rs.final for rs in record.replicas if rs.final is not None]
     kinds = [i["kind"] for i in record.injections]
@@ -96,42 +95,52 @@ def run_summary(record: RunRecord) -> dict[str, Any]:
         "steps_committed": len(record.steps),
         "replica_steps_attempted": sum(rs.steps_attempted for rs in record.replicas),
         "replica_steps_committed": sum(rs.steps_committed for rs in record.replicas),
-        "failures_injected": {"total": len(kinds), "kill": kinds.count("kill"),
-                              "stop": kinds.count("stop")},
-        "replicas": [{
-            "replica": rs.replica, "processes": rs.attempt + 1, "failures": rs.failures,
-            "heals": rs.heals, "served": rs.served, "steps_attempted": rs.steps_attempted,
-            "steps_committed": rs.steps_committed, "final": rs.final,
-        } for rs in record.replicas],
+        "failures_injected": {
+            "total": len(kinds),
+            "kill": kinds.count("kill"),
+            "stop": kinds.count("stop"),
+        },
+        "replicas": [
+            {
+                "replica": rs.replica,
+                "processes": rs.attempt + 1,
+                "failures": rs.failures,
+                "heals": rs.heals,
+                "served": rs.served,
+                "steps_attempted": rs.steps_attempted,
+                "steps_committed": rs.steps_committed,
+                "final": rs.final,
+            }
+            for rs in record.replicas
+        ],
         "injections": record.injections,
         "heals": record.heals,
         "failed_steps": record.failed_steps,
         "unexpected_exits": record.unexpected_exits,
         "notes": record.notes,
-        "loss": {"first": _mean_loss(curve, slice(10)),
-                 "last": _mean_loss(curve, slice(-LOSS_WINDOW, None)),
-                 "eval_loss": finals[0]["eval_loss"] if finals else None,
-                 "eval_accuracy": finals[0]["accuracy"] if finals else None},
+        "loss": {
+            "first": _mean_loss(curve, slice(10)),
+            "last": _mean_loss(curve, slice(-LOSS_WINDOW, None)),
+            "eval_loss": finals[0]["eval_loss"] if finals else None,
+            "eval_accuracy": finals[0]["accuracy"] if finals else None,
+        },
         "curve": curve,
         "verdict": verdict(record),
     }
 
 
-def build_report(failures: RunRecord, baseline: RunRecord | None,
-                 meta: dict[str, Any]) -> dict[str, Any]:
+def build_report(
+    failures: RunRecord, baseline: RunRecord | None, meta: dict[str, Any]
+) -> dict[str, Any]:
     """The whole report document.
 
     Args:
         failures: the main run (with failures unless ``--no-failures``).
         baseline: the same run without failures, or None.
         meta: configuration, addresses and versions to include.
-
-    Raises:
-        Nothing.
     """
     main = run_summary(failures)
-    report: dict[str, Any] = {**meta, "run": main, "baseline": None,
-                              "verdict": main["verdict"]}
+    report: dict[str, Any] = {**meta, "run": main, "baseline": None, "verdict": main["verdict"]}
     if baseline is not None:
         base = run_summary(baseline)
         report["baseline"] = base
@@ -141,9 +150,11 @@ def build_report(failures: RunRecord, baseline: RunRecord | None,
         tail = common[-LOSS_WINDOW:]
         report["comparison"] = {
             "steps_compared": len(common),
-            "last_loss": main["loss"]["last"], "baseline_last_loss": base["loss"]["last"],
+            "last_loss": main["loss"]["last"],
+            "baseline_last_loss": base["loss"]["last"],
             "mean_abs_diff_last_steps": statistics.fmean(abs(ours[s] - theirs[s]) for s in tail)
-            if tail else None,
+            if tail
+            else None,
             "eval_accuracy": main["loss"]["eval_accuracy"],
             "baseline_eval_accuracy": base["loss"]["eval_accuracy"],
         }
@@ -155,11 +166,7 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
 
 
 def render_text(report: dict[str, Any]) -> str:
-    """The report as text for the terminal.
-
-    Raises:
-        Nothing.
-    """
+    """The report as text for the terminal."""
     run = report["run"]
     lines = ["", "=" * 78, "ftdist demo report", "=" * 78]
     inj = run["failures_injected"]
@@ -167,18 +174,25 @@ def render_text(report: dict[str, Any]) -> str:
         f"{run['name']} run: {run['duration_s']:.1f} s, {run['steps_committed']} steps committed "
         f"by the job; replica step attempts {run['replica_steps_attempted']}, committed "
         f"{run['replica_steps_committed']} "
-        f"({run['replica_steps_attempted'] - run['replica_steps_committed']} not committed)")
-    lines.append(f"failures injected: {inj['total']} ({inj['kill']} SIGKILL, {inj['stop']} "
-                 f"SIGSTOP); processes started: "
-                 + ", ".join(f"replica{r['replica']} {r['processes']}" for r in run["replicas"]))
+        f"({run['replica_steps_attempted'] - run['replica_steps_committed']} not committed)"
+    )
+    lines.append(
+        f"failures injected: {inj['total']} ({inj['kill']} SIGKILL, {inj['stop']} "
+        f"SIGSTOP); processes started: "
+        + ", ".join(f"replica{r['replica']} {r['processes']}" for r in run["replicas"])
+    )
     if run["injections"]:
-        lines.append("  #   at (s)  kind  replica   step  survivors stepped on after  "
-                     "victim back in quorum after")
+        lines.append(
+            "  #   at (s)  kind  replica   step  survivors stepped on after  "
+            "victim back in quorum after"
+        )
         for i in run["injections"]:
             back = f"{i['back_s']:.2f} s" if i["back_s"] is not None else "not back"
             on = f"{i['survivors_s']:.2f} s" if i.get("survivors_s") is not None else "-"
-            lines.append(f"  {i['index']:<3} {i['t_s']:6.1f}  {i['kind']:<5} replica{i['replica']:<2} "
-                         f"{i['step']:>5}  {on:>26}  {back:>27}")
+            lines.append(
+                f"  {i['index']:<3} {i['t_s']:6.1f}  {i['kind']:<5} replica{i['replica']:<2} "
+                f"{i['step']:>5}  {on:>26}  {back:>27}"
+            )
     heals = [h for h in run["heals"] if h["role"] == "receive"]
     if heals:
         lines.append("heals (per receiving replica; step 0 is the initial sync):")
@@ -187,11 +201,14 @@ def render_text(report: dict[str, Any]) -> str:
                 f"  replica{h['replica']} step {h['step']:>5}: quorum {h['quorum_s'] * 1e3:5.0f} ms, "
                 f"reconfigure {h['reconfigure_s'] * 1e3:4.0f} ms, transfer "
                 f"{h['transfer_bytes'] / 1e6:5.2f} MB in {h['transfer_s'] * 1e3:4.0f} ms, load "
-                f"{h['load_s'] * 1e3:3.0f} ms = {h['total_s']:.2f} s")
+                f"{h['load_s'] * 1e3:3.0f} ms = {h['total_s']:.2f} s"
+            )
     loss = run["loss"]
-    lines.append(f"loss: {_fmt(loss['first'])} at the start -> {_fmt(loss['last'])} (mean of the "
-                 f"last {LOSS_WINDOW} steps); held-out loss {_fmt(loss['eval_loss'])}, accuracy "
-                 f"{_fmt(loss['eval_accuracy'] and loss['eval_accuracy'] * 100, '.1f')}%")
+    lines.append(
+        f"loss: {_fmt(loss['first'])} at the start -> {_fmt(loss['last'])} (mean of the "
+        f"last {LOSS_WINDOW} steps); held-out loss {_fmt(loss['eval_loss'])}, accuracy "
+        f"{_fmt(loss['eval_accuracy'] and loss['eval_accuracy'] * 100, '.1f')}%"
+    )
     comparison = report.get("comparison")
     if comparison:
         base = report["baseline"]
@@ -200,7 +217,8 @@ def render_text(report: dict[str, Any]) -> str:
             f"steps): loss {_fmt(comparison['baseline_last_loss'])}, held-out accuracy "
             f"{_fmt(comparison['baseline_eval_accuracy'] and comparison['baseline_eval_accuracy'] * 100, '.1f')}%; "
             f"mean |loss difference| over the last steps "
-            f"{_fmt(comparison['mean_abs_diff_last_steps'])}")
+            f"{_fmt(comparison['mean_abs_diff_last_steps'])}"
+        )
         bv = base["verdict"]
         lines.append(f"baseline replicas identical: {'yes' if bv['ok'] else 'NO: ' + bv['reason']}")
     else:
@@ -215,8 +233,9 @@ def render_text(report: dict[str, Any]) -> str:
     if v["ok"]:
         lines.append(f"VERDICT: PASS - {v['reason']}")
     elif report.get("interrupted"):
-        lines.append(f"VERDICT: INTERRUPTED - Ctrl-C ended the run before it could finish: "
-                     f"{v['reason']}")
+        lines.append(
+            f"VERDICT: INTERRUPTED - Ctrl-C ended the run before it could finish: {v['reason']}"
+        )
     else:
         lines += ["!" * 78, f"VERDICT: FAIL - {v['reason']}", "!" * 78]
     return "\n".join(lines)

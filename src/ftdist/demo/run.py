@@ -82,26 +82,36 @@ class DemoConfig:
         if not 1 <= self.replicas <= 16:
             raise ValueError(f"--replicas {self.replicas}: give 1 to 16 replica groups")
         if self.failures and self.replicas < 2:
-            raise ValueError(f"--replicas {self.replicas}: failures need at least 2 replica "
-                             "groups (a survivor heals the restarted one); use --replicas 2 "
-                             "or more, or --no-failures")
+            raise ValueError(
+                f"--replicas {self.replicas}: failures need at least 2 replica "
+                "groups (a survivor heals the restarted one); use --replicas 2 "
+                "or more, or --no-failures"
+            )
         if not (math.isfinite(self.duration_s) and 1 <= self.duration_s <= MAX_DURATION_S):
-            raise ValueError(f"--duration {self.duration_s}: give 1 to {MAX_DURATION_S:.0f} "
-                             "seconds")
+            raise ValueError(
+                f"--duration {self.duration_s}: give 1 to {MAX_DURATION_S:.0f} seconds"
+            )
         if not (math.isfinite(self.kill_every_s) and self.kill_every_s >= MIN_KILL_EVERY_S):
-            raise ValueError(f"--kill-every {self.kill_every_s}: give at least "
-                             f"{MIN_KILL_EVERY_S:g} seconds (a victim needs time to heal)")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
-                or not 0 <= self.seed < 2**32:
+            raise ValueError(
+                f"--kill-every {self.kill_every_s}: give at least "
+                f"{MIN_KILL_EVERY_S:g} seconds (a victim needs time to heal)"
+            )
+        if (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not 0 <= self.seed < 2**32
+        ):
             raise ValueError(f"--seed {self.seed!r}: give an integer in [0, 2**32)")
         if not self.out:
             raise ValueError("--out must name a directory")
         if os.path.exists(self.out) and not os.path.isdir(self.out):
-            raise ValueError(f"--out {self.out!r} is a file; name a directory (it is created "
-                             "if missing)")
+            raise ValueError(
+                f"--out {self.out!r} is a file; name a directory (it is created if missing)"
+            )
         if self.lighthouse is not None and ":" not in self.lighthouse:
-            raise ValueError(f"--lighthouse {self.lighthouse!r}: expected host:port or "
-                             "http://host:port")
+            raise ValueError(
+                f"--lighthouse {self.lighthouse!r}: expected host:port or http://host:port"
+            )
 
 
 def _machine() -> dict[str, Any]:
@@ -109,13 +119,16 @@ def _machine() -> dict[str, Any]:
 
     import ftdist
 
-    return {"ftdist": ftdist.__version__, "torch": torch.__version__,
-            "python": platform.python_version(), "platform": platform.platform(),
-            "cpus": os.cpu_count()}
+    return {
+        "ftdist": ftdist.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+    }
 
 
-def _start_lighthouse(opts: DemoConfig, view: LiveView
-                      ) -> tuple[Any, str, str | None, float]:
+def _start_lighthouse(opts: DemoConfig, view: LiveView) -> tuple[Any, str, str | None, float]:
     from ftdist.coordination import LighthouseServer
     from ftdist.lighthouse.client import LighthouseClient
 
@@ -128,20 +141,27 @@ def _start_lighthouse(opts: DemoConfig, view: LiveView
             except Exception:
                 # torchft's lighthouse does not say; assume its default.
                 heartbeat_ms = TORCHFT_HEARTBEAT_TIMEOUT_MS
-        view.message(f"lighthouse: {opts.lighthouse} (joined; heartbeat timeout "
-                     f"{heartbeat_ms:.0f} ms)")
+        view.message(
+            f"lighthouse: {opts.lighthouse} (joined; heartbeat timeout {heartbeat_ms:.0f} ms)"
+        )
         return None, opts.lighthouse, None, heartbeat_ms
     # A majority quorum: two disjoint quorums cannot both form, so replicas
     # that start (or stall) apart can never grow two histories of the same
     # step. One failure at a time (the injection rule) always leaves a
     # majority training.
     min_replicas = opts.replicas // 2 + 1 if opts.replicas >= 3 else 1
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas,
-                              join_timeout_ms=100, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
-                              http_port=0)
+    server = LighthouseServer(
+        bind="127.0.0.1:0",
+        min_replicas=min_replicas,
+        join_timeout_ms=100,
+        heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
+        http_port=0,
+    )
     dashboard = server.dashboard_address()
-    view.message(f"lighthouse: {server.address()} (embedded; quorum of at least "
-                 f"{min_replicas}, heartbeat timeout {HEARTBEAT_TIMEOUT_MS} ms)")
+    view.message(
+        f"lighthouse: {server.address()} (embedded; quorum of at least "
+        f"{min_replicas}, heartbeat timeout {HEARTBEAT_TIMEOUT_MS} ms)"
+    )
     view.message(f"dashboard:  {dashboard}/  (open it in a browser while the demo runs)")
     return server, server.address(), dashboard, HEARTBEAT_TIMEOUT_MS
 
@@ -161,8 +181,10 @@ def _clear_events(events_root: str) -> None:
         names = os.listdir(folder)
         strangers = [n for n in names if not ours.fullmatch(n)]
         if strangers:
-            raise ValueError(f"{folder} holds files the demo did not write ({strangers[0]}, "
-                             "...); give --out a directory of its own")
+            raise ValueError(
+                f"{folder} holds files the demo did not write ({strangers[0]}, "
+                "...); give --out a directory of its own"
+            )
         for name in names:
             os.remove(os.path.join(folder, name))
 
@@ -212,36 +234,56 @@ def run_demo(opts: DemoConfig, stream: TextIO | None = None) -> int:
     try:
         server, lighthouse, dashboard, heartbeat_ms = _start_lighthouse(opts, view)
         hold = heartbeat_ms / 1000 + STOP_PAST_DETECTION_S
-        plan = (schedule.plan_injections(opts.seed, opts.duration_s, opts.kill_every_s, hold)
-                if opts.failures else [])
+        plan = (
+            schedule.plan_injections(opts.seed, opts.duration_s, opts.kill_every_s, hold)
+            if opts.failures
+            else []
+        )
         planned = ", ".join(f"{i.kind} at {i.at_s:.0f} s" for i in plan) or "none"
-        view.message(f"{opts.replicas} replica groups, {opts.duration_s:g} s, seed {opts.seed}; "
-                     f"failure plan (seconds of training): {planned}")
+        view.message(
+            f"{opts.replicas} replica groups, {opts.duration_s:g} s, seed {opts.seed}; "
+            f"failure plan (seconds of training): {planned}"
+        )
         if interrupt.count:
             view.message("Ctrl-C before the run started: nothing to report")
             return 130
         run_id = uuid.uuid4().hex[:6]
-        cfg = WorkerConfig(lighthouse=lighthouse, events_dir=os.path.join(events_root, "run"),
-                           seed=opts.seed, replicas=opts.replicas, run=f"demo-{run_id}-",
-                           step_interval_s=STEP_INTERVAL_S)
+        cfg = WorkerConfig(
+            lighthouse=lighthouse,
+            events_dir=os.path.join(events_root, "run"),
+            seed=opts.seed,
+            replicas=opts.replicas,
+            run=f"demo-{run_id}-",
+            step_interval_s=STEP_INTERVAL_S,
+        )
         name = "failures" if opts.failures else "no-failures"
-        main = Supervisor(cfg, name, plan, opts.duration_s, None, view.event, view.tick,
-                          interrupt).run()
+        main = Supervisor(
+            cfg, name, plan, opts.duration_s, None, view.event, view.tick, interrupt
+        ).run()
         view.close()
         baseline: RunRecord | None = None
         if opts.baseline and not interrupt.count and main.stop_step:
             view.message(f"baseline: the same job without failures, to step {main.stop_step}")
-            base_cfg = replace(cfg, events_dir=os.path.join(events_root, "baseline"),
-                               run=f"base-{run_id}-", step_interval_s=0.0)
-            baseline = Supervisor(base_cfg, "baseline", [], None, main.stop_step, view.event,
-                                  view.tick, interrupt).run()
+            base_cfg = replace(
+                cfg,
+                events_dir=os.path.join(events_root, "baseline"),
+                run=f"base-{run_id}-",
+                step_interval_s=0.0,
+            )
+            baseline = Supervisor(
+                base_cfg, "baseline", [], None, main.stop_step, view.event, view.tick, interrupt
+            ).run()
             view.close()
         meta = {
             "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "options": asdict(opts), "worker": asdict(cfg), "machine": _machine(),
-            "lighthouse": lighthouse, "dashboard": dashboard,
+            "options": asdict(opts),
+            "worker": asdict(cfg),
+            "machine": _machine(),
+            "lighthouse": lighthouse,
+            "dashboard": dashboard,
             "heartbeat_timeout_ms": heartbeat_ms,
-            "plan": [asdict(i) for i in plan], "interrupted": bool(interrupt.count),
+            "plan": [asdict(i) for i in plan],
+            "interrupted": bool(interrupt.count),
         }
         report = build_report(main, baseline, meta)
         json_path = os.path.join(opts.out, "report.json")
@@ -254,8 +296,11 @@ def run_demo(opts: DemoConfig, stream: TextIO | None = None) -> int:
             why_no_png = f"drawing failed: {exc!r}"
         view.message(render_text(report))
         view.message(f"report: {os.path.abspath(json_path)}")
-        view.message(f"plot:   {os.path.abspath(png_path)}" if why_no_png is None
-                     else f"plot:   not written ({why_no_png})")
+        view.message(
+            f"plot:   {os.path.abspath(png_path)}"
+            if why_no_png is None
+            else f"plot:   not written ({why_no_png})"
+        )
         if interrupt.count:
             return 130
         return 0 if report["verdict"]["ok"] else 1

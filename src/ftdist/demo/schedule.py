@@ -79,8 +79,9 @@ class Decision:
     reason: str
 
 
-def plan_injections(seed: int, duration_s: float, kill_every_s: float,
-                    stop_hold_s: float) -> list[Injection]:
+def plan_injections(
+    seed: int, duration_s: float, kill_every_s: float, stop_hold_s: float
+) -> list[Injection]:
     """The planned injections of a run, reproducible from ``seed``.
 
     No injection is planned in the last ``kill_every_s / 2`` seconds (at
@@ -114,8 +115,10 @@ def plan_injections(seed: int, duration_s: float, kill_every_s: float,
             break
         times.append(round(t, 2))
     stop_at = 1 if len(times) >= 2 else 0
-    return [Injection(i, at, STOP if i == stop_at else KILL, stop_hold_s if i == stop_at else 0.0)
-            for i, at in enumerate(times)]
+    return [
+        Injection(i, at, STOP if i == stop_at else KILL, stop_hold_s if i == stop_at else 0.0)
+        for i, at in enumerate(times)
+    ]
 
 
 def choose_victim(seed: int, injection: Injection, replicas: int) -> int:
@@ -129,8 +132,9 @@ def choose_victim(seed: int, injection: Injection, replicas: int) -> int:
     return random.Random(f"ftdist-demo-victim/{seed}/{injection.index}").randrange(replicas)
 
 
-def decide(now_s: float, pending: Sequence[Injection], health: Sequence[ReplicaHealth],
-           seed: int) -> Decision:
+def decide(
+    now_s: float, pending: Sequence[Injection], health: Sequence[ReplicaHealth], seed: int
+) -> Decision:
     """Whether to inject the first pending injection now.
 
     Args:
@@ -157,9 +161,14 @@ def decide(now_s: float, pending: Sequence[Injection], health: Sequence[ReplicaH
         names = ", ".join(f"replica{h.replica} {h.why_not or 'not healthy'}" for h in sick)
         return Decision(None, None, f"{nxt.kind} postponed: {names}")
     if len(health) < 2:
-        return Decision(None, None, f"{nxt.kind} skipped: one replica group has no peer to "
-                                    "heal from")
+        return Decision(
+            None, None, f"{nxt.kind} skipped: one replica group has no peer to heal from"
+        )
     victim = choose_victim(seed, nxt, len(health))
     late = now_s - nxt.at_s
-    return Decision(nxt, victim, f"{nxt.kind} replica{victim} (due at {nxt.at_s:.1f} s"
-                                 + (f", {late:.1f} s late)" if late >= 0.5 else ")"))
+    return Decision(
+        nxt,
+        victim,
+        f"{nxt.kind} replica{victim} (due at {nxt.at_s:.1f} s"
+        + (f", {late:.1f} s late)" if late >= 0.5 else ")"),
+    )

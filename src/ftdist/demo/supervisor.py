@@ -116,7 +116,7 @@ class _Tail:
         for path in sorted(glob.glob(os.path.join(self._dir, "replica*.jsonl"))):
             # replica<R>.attempt<A>.jsonl
             name = os.path.basename(path).split(".")
-            replica, attempt = int(name[0][len("replica"):]), int(name[1][len("attempt"):])
+            replica, attempt = int(name[0][len("replica") :]), int(name[1][len("attempt") :])
             with open(path, encoding="utf-8") as f:
                 f.seek(self._offsets.get(path, 0))
                 chunk = f.read()
@@ -167,10 +167,18 @@ class Supervisor:
         ValueError: neither ``duration_s`` nor ``stop_step`` is given.
     """
 
-    def __init__(self, cfg: WorkerConfig, name: str, plan: list[schedule.Injection],
-                 duration_s: float | None, stop_step: int | None,
-                 on_event: Callable[[str], None], on_tick: Callable[[Supervisor], None],
-                 interrupt: Interrupt, restart_delay_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        cfg: WorkerConfig,
+        name: str,
+        plan: list[schedule.Injection],
+        duration_s: float | None,
+        stop_step: int | None,
+        on_event: Callable[[str], None],
+        on_tick: Callable[[Supervisor], None],
+        interrupt: Interrupt,
+        restart_delay_s: float = 1.0,
+    ) -> None:
         if duration_s is None and stop_step is None:
             raise ValueError("give duration_s or stop_step")
         self.cfg = cfg
@@ -196,35 +204,19 @@ class Supervisor:
     # -- helpers for views ------------------------------------------------------------------
     @property
     def replicas(self) -> list[ReplicaState]:
-        """The replica groups' states, by index.
-
-        Raises:
-            Nothing.
-        """
+        """The replica groups' states, by index."""
         return self.record.replicas
 
     def train_elapsed(self) -> float:
-        """Seconds of training: since every replica group first stepped together.
-
-        Raises:
-            Nothing.
-        """
+        """Seconds of training: since every replica group first stepped together."""
         return time.time() - self._train_t0 if self._train_t0 is not None else 0.0
 
     def elapsed(self) -> float:
-        """Seconds since the run started.
-
-        Raises:
-            Nothing.
-        """
+        """Seconds since the run started."""
         return time.time() - self._t0 if self._t0 else 0.0
 
     def max_step(self) -> int:
-        """The number of steps committed so far (the newest committed step + 1).
-
-        Raises:
-            Nothing.
-        """
+        """The number of steps committed so far (the newest committed step + 1)."""
         return max(self.record.steps, default=-1) + 1
 
     def _say(self, text: str) -> None:
@@ -237,8 +229,7 @@ class Supervisor:
         Returns:
             The run's record; ``interrupted`` tells whether Ctrl-C ended it.
 
-        Raises:
-            Nothing for a failing replica: that goes into the record.
+        For a failing replica: that goes into the record.
         """
         os.makedirs(self.cfg.events_dir, exist_ok=True)
         self._t0 = self.record.started = time.time()
@@ -252,8 +243,10 @@ class Supervisor:
             if self.record.stop_step is not None:
                 self._control.set(STOP_KEY, str(self.record.stop_step))
             self.phase = "training"
-            self._say(f"{self.record.name} run: {self.cfg.replicas} replica groups started "
-                      f"(pids {', '.join(str(p) for p in ranks.pids)})")
+            self._say(
+                f"{self.record.name} run: {self.cfg.replicas} replica groups started "
+                f"(pids {', '.join(str(p) for p in ranks.pids)})"
+            )
             self._train()
             self._finish()
         finally:
@@ -278,8 +271,10 @@ class Supervisor:
             if self.duration_s is None and self._all_final():
                 return
             if self.duration_s is None and now > self._replay_limit_s():
-                self.record.notes.append(f"the run did not reach step {self.record.stop_step} "
-                                         f"within {self._replay_limit_s():.0f} s")
+                self.record.notes.append(
+                    f"the run did not reach step {self.record.stop_step} "
+                    f"within {self._replay_limit_s():.0f} s"
+                )
                 return
             if self._crash_loop:
                 self.record.notes.append("a replica group kept dying on its own; run ended early")
@@ -308,10 +303,10 @@ class Supervisor:
         deadline = time.monotonic() + grace
         if self.record.stop_step is None:
             while not all(rs.healthy for rs in self.replicas):
-                if (time.monotonic() > deadline or self._interrupt.count > 1
-                        or self._crash_loop):
-                    self.record.notes.append("not every replica group was back in the quorum "
-                                             "when the run ended")
+                if time.monotonic() > deadline or self._interrupt.count > 1 or self._crash_loop:
+                    self.record.notes.append(
+                        "not every replica group was back in the quorum when the run ended"
+                    )
                     break
                 self._finishing_tick()
             stop = self.max_step() + self._steps_ahead()
@@ -320,8 +315,11 @@ class Supervisor:
             self._say(f"all replica groups stop at step {stop}")
         deadline = time.monotonic() + grace
         while not self._all_final():
-            if (time.monotonic() > deadline or self._interrupt.count > 1
-                    or any(rs.state == "exited" for rs in self.replicas)):
+            if (
+                time.monotonic() > deadline
+                or self._interrupt.count > 1
+                or any(rs.state == "exited" for rs in self.replicas)
+            ):
                 missing = [f"replica{rs.replica}" for rs in self.replicas if rs.final is None]
                 self.record.notes.append(f"no final report from {', '.join(missing)}")
                 break
@@ -363,16 +361,20 @@ class Supervisor:
             return
         if all(rs.healthy for rs in self.replicas) or now > START_LIMIT_S:
             if now > START_LIMIT_S:
-                self.record.notes.append(f"the replica groups were not all training after "
-                                         f"{START_LIMIT_S:.0f} s; the clock started anyway")
+                self.record.notes.append(
+                    f"the replica groups were not all training after "
+                    f"{START_LIMIT_S:.0f} s; the clock started anyway"
+                )
             self._train_t0 = time.time()
             self.record.training_started_s = round(now, 3)
-            self._say(f"every replica group is training (after {now:.1f} s of start-up); "
-                      "the clock starts")
+            self._say(
+                f"every replica group is training (after {now:.1f} s of start-up); the clock starts"
+            )
 
     def _maybe_inject(self, train_now: float, now: float) -> None:
-        health = [schedule.ReplicaHealth(rs.replica, rs.healthy, _why_not(rs))
-                  for rs in self.replicas]
+        health = [
+            schedule.ReplicaHealth(rs.replica, rs.healthy, _why_not(rs)) for rs in self.replicas
+        ]
         decision = schedule.decide(train_now, self.pending, health, self.cfg.seed)
         if decision.injection is None:
             if "postponed" in decision.reason and decision.reason != self._last_reason:
@@ -387,9 +389,16 @@ class Supervisor:
     def _strike(self, injection: schedule.Injection, rs: ReplicaState, now: float) -> None:
         assert self._ranks is not None
         entry: dict[str, Any] = {
-            "index": injection.index, "kind": injection.kind, "replica": rs.replica,
-            "due_s": injection.at_s, "t_s": round(now, 3), "pid": rs.pid, "step": rs.step,
-            "attempt": rs.attempt, "hold_s": injection.hold_s, "survivors_s": None,
+            "index": injection.index,
+            "kind": injection.kind,
+            "replica": rs.replica,
+            "due_s": injection.at_s,
+            "t_s": round(now, 3),
+            "pid": rs.pid,
+            "step": rs.step,
+            "attempt": rs.attempt,
+            "hold_s": injection.hold_s,
+            "survivors_s": None,
             "back_s": None,
         }
         self.record.injections.append(entry)
@@ -400,8 +409,10 @@ class Supervisor:
             self._ranks.signal(rs.replica, signal.SIGSTOP)
             rs.state = "stopped"
             rs.resume_at = now + injection.hold_s
-            self._say(f"SIGSTOP replica{rs.replica} (pid {rs.pid}) at step {rs.step}: hung "
-                      f"for {injection.hold_s:.1f} s, past the failure-detection window")
+            self._say(
+                f"SIGSTOP replica{rs.replica} (pid {rs.pid}) at step {rs.step}: hung "
+                f"for {injection.hold_s:.1f} s, past the failure-detection window"
+            )
         else:
             self._ranks.kill(rs.replica)
             rs.state = "killed"
@@ -414,8 +425,9 @@ class Supervisor:
         rs.state = "healing"
         rs.resume_at = None
         rs.disrupted_at = time.time()
-        self._say(f"SIGCONT replica{rs.replica} (pid {rs.pid}): it must notice it was "
-                  "dropped and heal")
+        self._say(
+            f"SIGCONT replica{rs.replica} (pid {rs.pid}): it must notice it was dropped and heal"
+        )
 
     def _maintain(self, now: float) -> None:
         """Restart killed replicas, resume stopped ones, notice unexpected exits."""
@@ -424,8 +436,12 @@ class Supervisor:
             code = self._ranks.exitcode(rs.replica)
             if rs.state == "stopped" and rs.resume_at is not None and now >= rs.resume_at:
                 self._resume(rs)
-            elif rs.state == "killed" and code is not None and rs.restart_at is not None \
-                    and now >= rs.restart_at:
+            elif (
+                rs.state == "killed"
+                and code is not None
+                and rs.restart_at is not None
+                and now >= rs.restart_at
+            ):
                 self._restart(rs)
             elif code is not None and rs.state not in ("killed", "finished", "exited"):
                 # It may have written its final report and left since the
@@ -442,15 +458,22 @@ class Supervisor:
         outcome = self._ranks.outcome(rs.replica)
         error = outcome.error if outcome is not None else None
         self.record.unexpected_exits.append(
-            {"replica": rs.replica, "attempt": rs.attempt, "exitcode": code,
-             "t_s": round(now, 3), "error": error})
+            {
+                "replica": rs.replica,
+                "attempt": rs.attempt,
+                "exitcode": code,
+                "t_s": round(now, 3),
+                "error": error,
+            }
+        )
         last = (error or "").strip().splitlines()[-1:] or [f"exit code {code}"]
         self._say(f"replica{rs.replica} died on its own: {last[0]}")
         rs.disrupted_at = time.time()
         rs.healthy = False
         crashes = sum(1 for e in self.record.unexpected_exits if e["replica"] == rs.replica)
-        if crashes >= MAX_CRASHES or (self.phase == "finishing"
-                                      and self.record.stop_step is not None):
+        if crashes >= MAX_CRASHES or (
+            self.phase == "finishing" and self.record.stop_step is not None
+        ):
             # A crash loop would only bury the first error under restarts.
             rs.state = "exited"
             self._crash_loop = True
@@ -491,9 +514,14 @@ class Supervisor:
         rs.quorum_id = int(ev["quorum_id"])
         rs.participants = int(ev["participants"])
         if not ev["ok"]:
-            self.record.failed_steps.append({"replica": rs.replica, "step": ev["step"],
-                                             "t_s": round(ev["t"] - self._t0, 3),
-                                             "error": ev.get("error")})
+            self.record.failed_steps.append(
+                {
+                    "replica": rs.replica,
+                    "step": ev["step"],
+                    "t_s": round(ev["t"] - self._t0, 3),
+                    "error": ev.get("error"),
+                }
+            )
             return
         rs.steps_committed += 1
         rs.step = int(ev["step"]) + 1
@@ -507,23 +535,33 @@ class Supervisor:
                     if inj["replica"] == rs.replica and inj["back_s"] is None:
                         inj["back_s"] = round(ev["t"] - self._t0 - inj["t_s"], 3)
                         break
-                self._say(f"replica{rs.replica} back in the quorum at step {rs.step} "
-                          f"({back:.2f} s after its restart or resume)")
-        if (ev["participating"] and rs.participants == self.cfg.replicas
-                and ev["t"] > rs.disrupted_at and rs.state == "training"):
+                self._say(
+                    f"replica{rs.replica} back in the quorum at step {rs.step} "
+                    f"({back:.2f} s after its restart or resume)"
+                )
+        if (
+            ev["participating"]
+            and rs.participants == self.cfg.replicas
+            and ev["t"] > rs.disrupted_at
+            and rs.state == "training"
+        ):
             rs.healthy = True
         elif rs.participants < self.cfg.replicas:
             rs.healthy = False
         if rs.participants < self.cfg.replicas:
             for inj in reversed(self.record.injections):
-                if inj["replica"] != rs.replica and inj["survivors_s"] is None \
-                        and ev["t"] - self._t0 > inj["t_s"]:
+                if (
+                    inj["replica"] != rs.replica
+                    and inj["survivors_s"] is None
+                    and ev["t"] - self._t0 > inj["t_s"]
+                ):
                     # The first step the others commit without the victim:
                     # detection, reconfigure and one step.
                     inj["survivors_s"] = round(ev["t"] - self._t0 - inj["t_s"], 3)
                 break
-        step = self.record.steps.setdefault(int(ev["step"]), {
-            "t_s": round(ev["t"] - self._t0, 3), "losses": {}, "participants": 0})
+        step = self.record.steps.setdefault(
+            int(ev["step"]), {"t_s": round(ev["t"] - self._t0, 3), "losses": {}, "participants": 0}
+        )
         if ev["participating"]:
             step["losses"][rs.replica] = rs.loss
         step["participants"] = max(step["participants"], rs.participants)
@@ -533,15 +571,16 @@ class Supervisor:
 
     def _on_heal(self, rs: ReplicaState, ev: dict[str, Any]) -> None:
         entry = {k: v for k, v in ev.items() if k not in ("kind", "t")}
-        entry.update(replica=rs.replica, attempt=rs.attempt,
-                     t_s=round(ev["t"] - self._t0, 3))
+        entry.update(replica=rs.replica, attempt=rs.attempt, t_s=round(ev["t"] - self._t0, 3))
         self.record.heals.append(entry)
         if ev["role"] == "receive":
             rs.heals += 1
-            self._say(f"replica{rs.replica} healed to step {ev['step']} from replica rank(s) "
-                      f"{ev['peers']}: quorum {ev['quorum_s'] * 1e3:.0f} ms, reconfigure "
-                      f"{ev['reconfigure_s'] * 1e3:.0f} ms, {ev['transfer_bytes'] / 1e6:.2f} MB "
-                      f"in {ev['transfer_s'] * 1e3:.0f} ms, load {ev['load_s'] * 1e3:.0f} ms")
+            self._say(
+                f"replica{rs.replica} healed to step {ev['step']} from replica rank(s) "
+                f"{ev['peers']}: quorum {ev['quorum_s'] * 1e3:.0f} ms, reconfigure "
+                f"{ev['reconfigure_s'] * 1e3:.0f} ms, {ev['transfer_bytes'] / 1e6:.2f} MB "
+                f"in {ev['transfer_s'] * 1e3:.0f} ms, load {ev['load_s'] * 1e3:.0f} ms"
+            )
         else:
             rs.served += 1
 
@@ -550,4 +589,3 @@ class Supervisor:
         if force or now - self._last_tick >= 0.25:
             self._last_tick = now
             self._on_tick(self)
-

@@ -42,35 +42,33 @@ def make_spirals(n: int, seed: int) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     labels = torch.arange(n) % CLASSES
     radius = torch.rand(n, generator=g)
-    angle = (radius * TURNS * 2 * math.pi + labels * (2 * math.pi / CLASSES)
-             + torch.randn(n, generator=g) * NOISE)
+    angle = (
+        radius * TURNS * 2 * math.pi
+        + labels * (2 * math.pi / CLASSES)
+        + torch.randn(n, generator=g) * NOISE
+    )
     x = torch.stack([radius * torch.cos(angle), radius * torch.sin(angle)], dim=1)
     x = x + torch.randn(n, 2, generator=g) * NOISE
     return TensorDataset(x.float(), labels)
 
 
 def make_model(seed: int) -> nn.Module:
-    """The MLP every replica trains; ``seed`` picks its random initial weights.
-
-    Raises:
-        Nothing.
-    """
+    """The MLP every replica trains; ``seed`` picks its random initial weights."""
     torch.manual_seed(seed)
     return nn.Sequential(
-        nn.Linear(2, HIDDEN), nn.SiLU(),
-        nn.Linear(HIDDEN, HIDDEN), nn.SiLU(),
-        nn.Linear(HIDDEN, HIDDEN), nn.SiLU(),
+        nn.Linear(2, HIDDEN),
+        nn.SiLU(),
+        nn.Linear(HIDDEN, HIDDEN),
+        nn.SiLU(),
+        nn.Linear(HIDDEN, HIDDEN),
+        nn.SiLU(),
         nn.Linear(HIDDEN, CLASSES),
     )
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, data: TensorDataset) -> tuple[float, float]:
-    """Cross-entropy loss and accuracy of ``model`` on ``data``.
-
-    Raises:
-        Nothing.
-    """
+    """Cross-entropy loss and accuracy of ``model`` on ``data``."""
     x, y = data.tensors
     logits = model(x)
     loss = nn.functional.cross_entropy(logits, y).item()
@@ -82,9 +80,6 @@ def state_hash(model: nn.Module, optim: torch.optim.Optimizer) -> str:
     """SHA-256 over every byte of the weights and the optimizer state.
 
     Two replicas with the same hash hold bit-identical training state.
-
-    Raises:
-        Nothing.
     """
     h = hashlib.sha256()
     for name, t in model.state_dict().items():

@@ -95,20 +95,12 @@ class EventLog:
         self._file.write(json.dumps({"kind": kind, "t": time.time(), **fields}) + "\n")
 
     def close(self) -> None:
-        """Close the file.
-
-        Raises:
-            Nothing.
-        """
+        """Close the file."""
         self._file.close()
 
 
 def events_path(events_dir: str, replica: int, attempt: int) -> str:
-    """The events file of one process (one attempt) of one replica group.
-
-    Raises:
-        Nothing.
-    """
+    """The events file of one process (one attempt) of one replica group."""
     return os.path.join(events_dir, f"replica{replica}.attempt{attempt}.jsonl")
 
 
@@ -120,8 +112,12 @@ def _output_to(path: str) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, force=True,
-                        format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING,
+        stream=sys.stderr,
+        force=True,
+        format="%(asctime)s %(name)s: %(message)s",
+    )
 
 
 class _Batches:
@@ -131,16 +127,21 @@ class _Batches:
     data stands is part of the committed state without being saved.
     """
 
-    def __init__(self, data: Any, replica: int, replicas: int, batch_size: int,
-                 seed: int) -> None:
+    def __init__(self, data: Any, replica: int, replicas: int, batch_size: int, seed: int) -> None:
         from ftdist.data import DistributedSampler
 
         self._data = data
         self._batch_size = batch_size
-        self._sampler = DistributedSampler(data, replica_rank=replica,
-                                           num_replica_groups=replicas, group_rank=0,
-                                           num_replicas=1, shuffle=True, seed=seed,
-                                           drop_last=True)
+        self._sampler = DistributedSampler(
+            data,
+            replica_rank=replica,
+            num_replica_groups=replicas,
+            group_rank=0,
+            num_replicas=1,
+            shuffle=True,
+            seed=seed,
+            drop_last=True,
+        )
         self._per_epoch = max(1, len(self._sampler) // batch_size)
         self._epoch = -1
         self._order: list[int] = []
@@ -151,7 +152,7 @@ class _Batches:
             self._sampler.set_epoch(epoch)
             self._order = list(iter(self._sampler))
             self._epoch = epoch
-        rows = self._order[index * self._batch_size:(index + 1) * self._batch_size]
+        rows = self._order[index * self._batch_size : (index + 1) * self._batch_size]
         x, y = self._data.tensors
         return x[rows], y[rows]
 
@@ -204,7 +205,7 @@ def replica_main(ctx: RankContext, cfg: WorkerConfig, attempt: int) -> None:
 
     replica = ctx.rank
     path = events_path(cfg.events_dir, replica, attempt)
-    _output_to(path[:-len(".jsonl")] + ".log")
+    _output_to(path[: -len(".jsonl")] + ".log")
     torch.set_num_threads(1)
     log = EventLog(path)
     control = ctx.store(timedelta(seconds=30))
@@ -222,10 +223,16 @@ def replica_main(ctx: RankContext, cfg: WorkerConfig, attempt: int) -> None:
         pg=pg,
         load_state_dict=lambda sd: _load(model, optim, sd),
         state_dict=lambda: {"model": model.state_dict(), "optim": optim.state_dict()},
-        min_replica_size=1, replica_id=f"{cfg.run}replica{replica}",
-        lighthouse_addr=cfg.lighthouse, rank=0, world_size=1,
-        store_addr="127.0.0.1", store_port=own_store.port, hostname="127.0.0.1",
-        timeout=timeout, quorum_timeout=timedelta(seconds=30),
+        min_replica_size=1,
+        replica_id=f"{cfg.run}replica{replica}",
+        lighthouse_addr=cfg.lighthouse,
+        rank=0,
+        world_size=1,
+        store_addr="127.0.0.1",
+        store_port=own_store.port,
+        hostname="127.0.0.1",
+        timeout=timeout,
+        quorum_timeout=timedelta(seconds=30),
         connect_timeout=timedelta(seconds=10),
     )
     log.emit("up", pid=os.getpid(), attempt=attempt, replica_id=manager.replica_id())
@@ -255,10 +262,16 @@ def replica_main(ctx: RankContext, cfg: WorkerConfig, attempt: int) -> None:
             opt.step()
             committed = manager.current_step() > step
             error = manager.errored()
-            log.emit("step", step=step, ok=committed, loss=loss.item(),
-                     quorum_id=manager.quorum_id(), participants=manager.num_participants(),
-                     participating=manager.is_participating(),
-                     error=str(error).splitlines()[0] if error and not committed else None)
+            log.emit(
+                "step",
+                step=step,
+                ok=committed,
+                loss=loss.item(),
+                quorum_id=manager.quorum_id(),
+                participants=manager.num_participants(),
+                participating=manager.is_participating(),
+                error=str(error).splitlines()[0] if error and not committed else None,
+            )
             for timeline in manager.heal_timelines[heals_seen:]:
                 log.emit("heal", **timeline.as_dict())
             heals_seen = len(manager.heal_timelines)
@@ -266,8 +279,13 @@ def replica_main(ctx: RankContext, cfg: WorkerConfig, attempt: int) -> None:
             if spare > 0:
                 time.sleep(spare)
         eval_loss, accuracy = task.evaluate(model, held_out)
-        log.emit("final", step=manager.current_step(), hash=task.state_hash(model, optim),
-                 eval_loss=eval_loss, accuracy=accuracy)
+        log.emit(
+            "final",
+            step=manager.current_step(),
+            hash=task.state_hash(model, optim),
+            eval_loss=eval_loss,
+            accuracy=accuracy,
+        )
         _leave_together(manager, control, cfg.replicas)
     finally:
         manager.shutdown(wait=False)

@@ -71,7 +71,10 @@ class RankContext:
         import torch.distributed as dist
 
         tcp = dist.TCPStore(
-            self.store_host, self.store_port, is_master=False, timeout=timeout,
+            self.store_host,
+            self.store_port,
+            is_master=False,
+            timeout=timeout,
             wait_for_workers=False,
         )
         return dist.PrefixStore(self.prefix, tcp)
@@ -232,7 +235,10 @@ class Ranks:
         import torch.distributed as dist
 
         self._store = dist.TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+            "127.0.0.1",
+            0,
+            is_master=True,
+            wait_for_workers=False,
             timeout=timedelta(seconds=60),
         )
         self._prefix = f"test/{uuid.uuid4().hex[:12]}"
@@ -242,12 +248,13 @@ class Ranks:
             self._conns.append(conn)
         return self
 
-    def _spawn(self, rank: int, args: tuple[Any, ...], kwargs: dict[str, Any]
-               ) -> tuple[Any, mpc.Connection]:
+    def _spawn(
+        self, rank: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, mpc.Connection]:
         ctx = _context()
         parent_end, child_end = ctx.Pipe(duplex=False)
         rctx = RankContext(rank, self.world_size, "127.0.0.1", self._store.port, self._prefix)
-        proc = ctx.Process(  # type: ignore[attr-defined]
+        proc = ctx.Process(
             target=_child_main,
             args=(self.fn, rctx, args, kwargs, dict(self.env), child_end, os.getpid()),
             name=f"ftdist-rank-{rank}",
@@ -279,9 +286,6 @@ class Ranks:
         """The outcome of the rank's current process if it has exited, else None.
 
         Unlike :meth:`join` this neither waits nor stops the other ranks.
-
-        Raises:
-            Nothing.
         """
         proc, conn = self._procs[rank], self._conns[rank]
         if proc.exitcode is None:
@@ -296,7 +300,8 @@ class Ranks:
         Raises:
             IndexError: no such rank.
         """
-        return self._procs[rank].exitcode
+        code: int | None = self._procs[rank].exitcode
+        return code
 
     @property
     def pids(self) -> list[int]:
@@ -382,8 +387,9 @@ class Ranks:
         """
         outcomes = self.join(timeout)
         if not all(o.ok for o in outcomes):
-            raise RankFailure(outcomes, f"{sum(not o.ok for o in outcomes)} of "
-                                        f"{self.world_size} ranks failed")
+            raise RankFailure(
+                outcomes, f"{sum(not o.ok for o in outcomes)} of {self.world_size} ranks failed"
+            )
         return [o.value for o in outcomes]
 
     def terminate(self) -> None:

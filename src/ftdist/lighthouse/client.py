@@ -84,11 +84,7 @@ class LighthouseEventStream:
         return LighthouseEvent.from_proto(message)
 
     def close(self) -> None:
-        """End the stream; a blocked iteration stops. Idempotent.
-
-        Raises:
-            Nothing.
-        """
+        """End the stream; a blocked iteration stops. Idempotent."""
         self._closed = True
         self._call.cancel()
 
@@ -155,11 +151,7 @@ class LighthouseClient:
             raise
 
     def close(self) -> None:
-        """Close the connection; later calls fail. Idempotent.
-
-        Raises:
-            Nothing.
-        """
+        """Close the connection; later calls fail. Idempotent."""
         self._channel.close()
 
     def __enter__(self) -> LighthouseClient:

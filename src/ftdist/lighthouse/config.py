@@ -187,9 +187,7 @@ def resolve_lighthouse_config(
 
     min_replicas = pick("min_replicas")
     if min_replicas is None:
-        raise ValueError(
-            f"min_replicas is required: pass it or set {ENV_VARS['min_replicas']}."
-        )
+        raise ValueError(f"min_replicas is required: pass it or set {ENV_VARS['min_replicas']}.")
     http_port_raw = pick("http_port")
     http_port = None if http_port_raw is None else _integer("http_port", http_port_raw)
     if http_port is not None and http_port < 0:

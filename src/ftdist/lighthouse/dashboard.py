@@ -149,11 +149,7 @@ class DashboardServer:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop serving, close the port and join every thread. Idempotent.
-
-        Raises:
-            Nothing.
-        """
+        """Stop serving, close the port and join every thread. Idempotent."""
         if self._thread.is_alive():
             self._httpd.shutdown()
             self._thread.join()
@@ -216,8 +212,13 @@ def _make_handler(
                 return
             replica_id = urllib.parse.unquote(parts[1])
             if kill_token is None:
-                self._json(403, {"error": "kill is disabled: start the lighthouse with a kill "
-                                 "token (--kill-token or FTDIST_LIGHTHOUSE_KILL_TOKEN)"})
+                self._json(
+                    403,
+                    {
+                        "error": "kill is disabled: start the lighthouse with a kill "
+                        "token (--kill-token or FTDIST_LIGHTHOUSE_KILL_TOKEN)"
+                    },
+                )
                 return
             given = self.headers.get("X-Ftdist-Token") or ""
             auth = self.headers.get("Authorization") or ""

@@ -52,7 +52,21 @@ logger = logging.getLogger("ftdist.lighthouse.server")
 Member = torchft_pb2.QuorumMember
 
 LATENCY_BUCKETS_S = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
 )
 """Upper bounds of the quorum latency histogram buckets, in seconds."""
 
@@ -100,16 +114,11 @@ class Subscriber(Protocol):
     def send(self, payload: bytes) -> None:
         """Deliver one event.
 
-        Raises:
-            Nothing: a subscriber that cannot keep up ends its own stream.
+        A subscriber that cannot keep up ends its own stream.
         """
 
     def close(self) -> None:
-        """The lighthouse is closing; end the stream.
-
-        Raises:
-            Nothing.
-        """
+        """The lighthouse is closing; end the stream."""
 
 
 class _Waiter:
@@ -178,21 +187,13 @@ class LighthouseEngine:
         self.latency = _Histogram(LATENCY_BUCKETS_S)
 
     def now(self) -> float:
-        """The engine's clock, in seconds.
-
-        Raises:
-            Nothing.
-        """
+        """The engine's clock, in seconds."""
         return self._clock()
 
     # -- requests ---------------------------------------------------------
 
     def heartbeat(self, replica_id: str) -> None:
-        """Record a heartbeat from ``replica_id``.
-
-        Raises:
-            Nothing.
-        """
+        """Record a heartbeat from ``replica_id``."""
         self.state.heartbeats[replica_id] = self._clock()
 
     def join(self, member: Member, deliver: Deliver) -> object:
@@ -209,8 +210,7 @@ class LighthouseEngine:
         Returns:
             A ticket for :meth:`withdraw`.
 
-        Raises:
-            Nothing; the rule is total and ``deliver`` must not raise.
+        The rule is total and ``deliver`` must not raise.
         """
         waiter = _Waiter(member, deliver)
         if self.closed:
@@ -226,8 +226,7 @@ class LighthouseEngine:
         """Forget a parked request whose caller went away, so no quorum
         counts a requester that cannot hear the answer.
 
-        Raises:
-            Nothing; unknown or answered tickets are ignored.
+        Unknown or answered tickets are ignored.
         """
         if not isinstance(ticket, _Waiter):
             return
@@ -305,7 +304,10 @@ class LighthouseEngine:
             logger.info("%s", id_decision.reason)
             logger.info(
                 "Quorum %d: %d members [%s] (%s)",
-                id_decision.quorum_id, len(member_ids), shown, reason,
+                id_decision.quorum_id,
+                len(member_ids),
+                shown,
+                reason,
             )
         else:
             logger.debug("Quorum %d formed again (%s)", id_decision.quorum_id, reason)
@@ -340,9 +342,6 @@ class LighthouseEngine:
 
         Returns:
             The rule's decision when there were participants, else None.
-
-        Raises:
-            Nothing.
         """
         if self.closed:
             return None
@@ -372,18 +371,11 @@ class LighthouseEngine:
 
         Returns:
             The decision the next evaluation would make.
-
-        Raises:
-            Nothing.
         """
         return compute_quorum(self._clock(), self.state, self.settings)
 
     def stream_opened(self, replica_id: str) -> None:
-        """A subscriber naming ``replica_id`` opened its failure-news stream.
-
-        Raises:
-            Nothing.
-        """
+        """A subscriber naming ``replica_id`` opened its failure-news stream."""
         if replica_id:
             self._streams[replica_id] = self._streams.get(replica_id, 0) + 1
 
@@ -396,9 +388,6 @@ class LighthouseEngine:
         heartbeats. A stream that is merely reconnecting is reopened within
         :data:`STREAM_GRACE_S`; only a stream that stays lost makes the
         member count as failed (see :meth:`_check_lost_streams`).
-
-        Raises:
-            Nothing.
         """
         if not replica_id:
             return
@@ -417,22 +406,29 @@ class LighthouseEngine:
             if self._streams.get(replica_id, 0) == 0:
                 self._streams.pop(replica_id, None)
             current = self.current
-            if current is None or replica_id not in current.member_ids \
-                    or replica_id in self._failed_reported:
+            if (
+                current is None
+                or replica_id not in current.member_ids
+                or replica_id in self._failed_reported
+            ):
                 continue
             # Forget its heartbeat so the next quorum (evaluated by the tick
             # that called this) forms without it; a group whose other ranks
             # live will heartbeat again, and simply not complete the next
             # quorum request.
             self.state.heartbeats.pop(replica_id, None)
-            self._report_failed(current, replica_id,
-                                f"its connection to the lighthouse closed {now - since:.1f} s ago")
+            self._report_failed(
+                current,
+                replica_id,
+                f"its connection to the lighthouse closed {now - since:.1f} s ago",
+            )
 
     def _report_failed(self, current: FormedQuorum, replica_id: str, reason: str) -> None:
         self._failed_reported.add(replica_id)
         self.num_member_failures += 1
-        logger.warning("Member %s of quorum %d failed: %s", replica_id,
-                       current.quorum.quorum_id, reason)
+        logger.warning(
+            "Member %s of quorum %d failed: %s", replica_id, current.quorum.quorum_id, reason
+        )
         self._publish(ftdist_pb2.MEMBER_FAILED, replica_id=replica_id, reason=reason)
 
     def _report_dead_members(self, now: float) -> None:
@@ -447,8 +443,11 @@ class LighthouseEngine:
             seen = heartbeats.get(replica_id)
             age = math.inf if seen is None else now - seen
             if age >= timeout:
-                self._report_failed(current, replica_id, f"no heartbeat for {age:.1f} s "
-                                                         f"(heartbeat timeout {timeout:g} s)")
+                self._report_failed(
+                    current,
+                    replica_id,
+                    f"no heartbeat for {age:.1f} s (heartbeat timeout {timeout:g} s)",
+                )
 
     # -- failure news -----------------------------------------------------
 
@@ -467,7 +466,8 @@ class LighthouseEngine:
             replica_ids=replica_ids,
         )
         event.time.FromNanoseconds(int(self._wall_clock() * 1e9))
-        return event.SerializeToString()
+        payload: bytes = event.SerializeToString()
+        return payload
 
     def _publish(
         self,
@@ -486,8 +486,7 @@ class LighthouseEngine:
         """Start sending events to ``subscriber``, beginning with SUBSCRIBED
         (which carries the current quorum's members).
 
-        Raises:
-            Nothing; after :meth:`close` the subscriber is closed at once.
+        After :meth:`close` the subscriber is closed at once.
         """
         if self.closed:
             subscriber.close()
@@ -497,29 +496,18 @@ class LighthouseEngine:
         subscriber.send(self._event(ftdist_pb2.SUBSCRIBED, replica_ids=members))
 
     def unsubscribe(self, subscriber: Subscriber) -> None:
-        """Stop sending events to ``subscriber``.
-
-        Raises:
-            Nothing.
-        """
+        """Stop sending events to ``subscriber``."""
         self._subscribers.discard(subscriber)
 
     @property
     def num_subscribers(self) -> int:
-        """How many event streams are open.
-
-        Raises:
-            Nothing.
-        """
+        """How many event streams are open."""
         return len(self._subscribers)
 
     def close(self) -> None:
         """Answer every parked request with None and close every stream.
 
         Idempotent; later requests are answered with None at once.
-
-        Raises:
-            Nothing.
         """
         if self.closed:
             return

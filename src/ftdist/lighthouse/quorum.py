@@ -100,9 +100,7 @@ class QuorumConfig:
         if self.join_timeout_s < 0:
             raise ValueError(f"join_timeout_s ({self.join_timeout_s}) must not be negative.")
         if self.heartbeat_timeout_s <= 0:
-            raise ValueError(
-                f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must be positive."
-            )
+            raise ValueError(f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must be positive.")
 
 
 @dataclass(slots=True)
@@ -151,11 +149,7 @@ class QuorumDecision(Generic[M]):
 
     @property
     def ready(self) -> bool:
-        """Whether a quorum formed.
-
-        Raises:
-            Nothing.
-        """
+        """Whether a quorum formed."""
         return self.members is not None
 
 
@@ -191,8 +185,7 @@ def compute_quorum(
     Returns:
         The members sorted by ``replica_id`` (or None) and the reason.
 
-    Raises:
-        Nothing: the function is total over valid states.
+    The function is total over valid states.
     """
     heartbeat_timeout = settings.heartbeat_timeout_s
     num_healthy = 0
@@ -272,9 +265,6 @@ def next_quorum_id(
 
     Returns:
         The new id and, when it grew, why.
-
-    Raises:
-        Nothing.
     """
     member_ids = [m.replica_id for m in members]
     if prev_member_ids is None or member_ids != list(prev_member_ids):

@@ -100,8 +100,7 @@ def _check_member(member: torchft_pb2.QuorumMember, max_data_bytes: int) -> str 
         size = _too_long("".join(member.reconfigure_handles), _MAX_HANDLES_BYTES)
         if size:
             return (
-                f"requester.reconfigure_handles is {size} bytes; "
-                f"the limit is {_MAX_HANDLES_BYTES}"
+                f"requester.reconfigure_handles is {size} bytes; the limit is {_MAX_HANDLES_BYTES}"
             )
     return None
 
@@ -146,8 +145,10 @@ def _decode(rpc: RpcCall, message_type: Any, request: bytes) -> Any:
     try:
         return message_type.FromString(request)
     except DecodeError:
-        rpc.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                  f"request is not a valid {message_type.DESCRIPTOR.full_name}")
+        rpc.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"request is not a valid {message_type.DESCRIPTOR.full_name}",
+        )
         return None
 
 
@@ -250,11 +251,7 @@ class LighthouseServer:
 
     @property
     def port(self) -> int:
-        """The bound gRPC port.
-
-        Raises:
-            Nothing.
-        """
+        """The bound gRPC port."""
         return self._port
 
     def address(self) -> str:
@@ -265,9 +262,6 @@ class LighthouseServer:
 
         Returns:
             The address.
-
-        Raises:
-            Nothing.
         """
         return f"http://{self._public_host()}:{self._port}"
 
@@ -276,9 +270,6 @@ class LighthouseServer:
 
         Returns:
             The address or None.
-
-        Raises:
-            Nothing.
         """
         if self._dashboard is None:
             return None
@@ -289,9 +280,6 @@ class LighthouseServer:
 
         Parked quorum calls fail with UNAVAILABLE ("lighthouse is shutting
         down"), event streams end the same way, then both ports close.
-
-        Raises:
-            Nothing.
         """
         with self._shutdown_lock:
             if self._closed:

@@ -36,9 +36,6 @@ def build_status(engine: LighthouseEngine, config: LighthouseConfig) -> dict[str
 
     Returns:
         The status document served at ``/status.json``.
-
-    Raises:
-        Nothing.
     """
     now = engine.now()
     state = engine.state
@@ -138,24 +135,51 @@ def render_metrics(status: dict[str, Any]) -> str:
         lines.append(f"{name} {value:g}")
 
     prefix = "ftdist_lighthouse"
-    metric(f"{prefix}_quorum_id", "gauge", "Id of the current quorum (0 before the first).",
-           status["quorum_id"])
-    metric(f"{prefix}_quorum_members", "gauge", "Members of the current quorum.",
-           quorum["num_members"] if quorum else 0)
-    metric(f"{prefix}_heartbeating_replicas", "gauge",
-           "Replica groups whose last heartbeat is within the heartbeat timeout.",
-           status["num_heartbeating"])
-    metric(f"{prefix}_waiting_requests", "gauge", "Quorum requests waiting for the next quorum.",
-           len(status["waiting"]))
-    metric(f"{prefix}_next_quorum_ready", "gauge", "1 if a quorum could form now, else 0.",
-           1 if status["next_quorum"]["ready"] else 0)
-    metric(f"{prefix}_event_subscribers", "gauge", "Open failure-news streams.",
-           status["num_subscribers"])
-    metric(f"{prefix}_quorums_total", "counter", "Quorums formed since start.",
-           status["quorums_total"])
-    metric(f"{prefix}_member_failures_total", "counter",
-           "Quorum members declared dead after missing heartbeats.",
-           status["member_failures_total"])
+    metric(
+        f"{prefix}_quorum_id",
+        "gauge",
+        "Id of the current quorum (0 before the first).",
+        status["quorum_id"],
+    )
+    metric(
+        f"{prefix}_quorum_members",
+        "gauge",
+        "Members of the current quorum.",
+        quorum["num_members"] if quorum else 0,
+    )
+    metric(
+        f"{prefix}_heartbeating_replicas",
+        "gauge",
+        "Replica groups whose last heartbeat is within the heartbeat timeout.",
+        status["num_heartbeating"],
+    )
+    metric(
+        f"{prefix}_waiting_requests",
+        "gauge",
+        "Quorum requests waiting for the next quorum.",
+        len(status["waiting"]),
+    )
+    metric(
+        f"{prefix}_next_quorum_ready",
+        "gauge",
+        "1 if a quorum could form now, else 0.",
+        1 if status["next_quorum"]["ready"] else 0,
+    )
+    metric(
+        f"{prefix}_event_subscribers",
+        "gauge",
+        "Open failure-news streams.",
+        status["num_subscribers"],
+    )
+    metric(
+        f"{prefix}_quorums_total", "counter", "Quorums formed since start.", status["quorums_total"]
+    )
+    metric(
+        f"{prefix}_member_failures_total",
+        "counter",
+        "Quorum members declared dead after missing heartbeats.",
+        status["member_failures_total"],
+    )
     hist = status["quorum_latency_seconds"]
     name = f"{prefix}_quorum_latency_seconds"
     lines.append(f"# HELP {name} Time from a round's first quorum request to its quorum.")

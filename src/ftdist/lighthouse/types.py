@@ -81,9 +81,6 @@ class QuorumMember:
         Returns:
             The member; ``data`` that is not a JSON object is kept under the
             key ``"raw"`` rather than failing the whole quorum.
-
-        Raises:
-            Nothing.
         """
         data: dict[str, Any] | None = None
         if member.data:
@@ -128,9 +125,6 @@ class Quorum:
 
         Returns:
             The quorum.
-
-        Raises:
-            Nothing.
         """
         return cls(
             quorum_id=quorum.quorum_id,
@@ -179,9 +173,6 @@ class LighthouseEvent:
         Returns:
             The event; unknown kinds (from a newer lighthouse) read
             ``"unknown"``.
-
-        Raises:
-            Nothing.
         """
         return cls(
             kind=_KINDS.get(event.kind, "unknown"),

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,76 +20,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ftdist.lighthouse.client import LighthouseClient
 from ftdist.manager.client import ManagerClient
 from ftdist.manager.config import ManagerConfig
+from ftdist.manager.news import FailureNews
 from ftdist.manager.server import ManagerServer
 
 logger = logging.getLogger(__name__)
-
-
-class FailureNews:
-    """Follows the lighthouse's failure-news stream on a thread.
-
-    Args:
-        lighthouse_addr: the lighthouse (None: no news, e.g. a torchft lighthouse).
-        replica_id: this replica group's id; the lighthouse counts this
-            stream's end as the group's death.
-        on_failed: called with ``(replica_id, reason)`` for each dead member.
-        connect_timeout: per connection attempt.
-    """
-
-    def __init__(self, lighthouse_addr: str | None, replica_id: str,
-                 on_failed: Callable[[str, str], None], connect_timeout: Any) -> None:
-        self._addr = lighthouse_addr
-        self._replica_id = replica_id
-        self._on_failed = on_failed
-        self._connect_timeout = connect_timeout
-        self._closed = threading.Event()
-        self._lock = threading.Lock()
-        self._stream: Any = None
-        self._client: LighthouseClient | None = None
-        self._thread: threading.Thread | None = None
-        if lighthouse_addr:
-            self._thread = threading.Thread(target=self._run, name="ftdist-news", daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        backoff = 0.1
-        while not self._closed.is_set():
-            try:
-                client = LighthouseClient(self._addr or "", self._connect_timeout)
-                with self._lock:
-                    if self._closed.is_set():
-                        client.close()
-                        return
-                    self._client = client
-                    self._stream = client.subscribe(self._replica_id)
-                    stream = self._stream
-                backoff = 0.1
-                for event in stream:
-                    if event.kind == "member_failed":
-                        self._on_failed(event.replica_id, event.reason)
-            except Exception as exc:
-                if self._closed.is_set():
-                    return
-                logger.info("failure news stream interrupted (%s); reconnecting", exc)
-            finally:
-                with self._lock:
-                    if self._client is not None:
-                        self._client.close()
-                    self._client, self._stream = None, None
-            self._closed.wait(backoff)
-            backoff = min(backoff * 2, 5.0)
-
-    def close(self) -> None:
-        """Stop following the stream; joins the thread."""
-        self._closed.set()
-        with self._lock:
-            if self._stream is not None:
-                self._stream.close()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
 
 
 @dataclass
@@ -119,13 +54,19 @@ def bootstrap(settings: ManagerConfig, replica_id: str | None) -> Bootstrap:
     """
     own: dist.TCPStore | None = None
     if settings.store_addr is None:
-        own = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
-                            timeout=settings.connect_timeout)
+        own = dist.TCPStore(
+            "0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=settings.connect_timeout
+        )
         tcp: dist.Store = own
         advertised = f"{settings.hostname}:{own.port}"
     else:
-        tcp = dist.TCPStore(settings.store_addr, int(settings.store_port or 0), is_master=False,
-                            wait_for_workers=False, timeout=settings.connect_timeout)
+        tcp = dist.TCPStore(
+            settings.store_addr,
+            int(settings.store_port or 0),
+            is_master=False,
+            wait_for_workers=False,
+            timeout=settings.connect_timeout,
+        )
         advertised = f"{settings.store_addr}:{settings.store_port}"
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"ftdist/manager/{attempt}", tcp)
@@ -135,10 +76,15 @@ def bootstrap(settings: ManagerConfig, replica_id: str | None) -> Bootstrap:
         full_id = f"{replica_id}:{uuid.uuid4()}" if replica_id else str(uuid.uuid4())
         assert settings.lighthouse_addr
         server = ManagerServer(
-            replica_id=full_id, lighthouse_addr=settings.lighthouse_addr,
-            hostname=settings.hostname, bind=f"[::]:{settings.port}", store_addr=advertised,
-            world_size=settings.group_world_size, heartbeat_interval=settings.heartbeat_interval,
-            connect_timeout=settings.connect_timeout, quorum_retries=settings.quorum_retries,
+            replica_id=full_id,
+            lighthouse_addr=settings.lighthouse_addr,
+            hostname=settings.hostname,
+            bind=f"[::]:{settings.port}",
+            store_addr=advertised,
+            world_size=settings.group_world_size,
+            heartbeat_interval=settings.heartbeat_interval,
+            connect_timeout=settings.connect_timeout,
+            quorum_retries=settings.quorum_retries,
         )
         store.set("manager_addr", server.address())
         store.set("replica_id", full_id)

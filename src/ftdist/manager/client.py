@@ -7,7 +7,7 @@ import queue
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -34,6 +34,43 @@ class ManagerQuorumResult(QuorumResult):
     created_ns: int = 0
 
 
+class ManagerClientLike(Protocol):
+    """What a :class:`~ftdist.manager.Manager` needs of its manager client.
+
+    :class:`ManagerClient` talks to a real :class:`ManagerServer`;
+    :class:`ftdist.testing.FakeManagerClient` answers from a script, so the
+    Manager's commit, vote and retry logic can be tested without servers.
+    """
+
+    def quorum(
+        self,
+        group_rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        init_sync: bool,
+        commit_failures: int,
+        timeout: timedelta,
+        fingerprint: dict[str, int] | None = None,
+    ) -> ManagerQuorumResult:
+        """Join this step's quorum; see :meth:`ManagerClient.quorum`."""
+        ...
+
+    def checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
+        """Where a group rank serves its state; see :meth:`ManagerClient.checkpoint_metadata`."""
+        ...
+
+    def should_commit(
+        self, group_rank: int, step: int, should_commit: bool, timeout: timedelta
+    ) -> bool:
+        """Vote on the step; see :meth:`ManagerClient.should_commit`."""
+        ...
+
+    def close(self) -> None:
+        """Release the connection."""
+        ...
+
+
 class ManagerClient:
     """Talks to the replica group's ManagerServer.
 
@@ -48,27 +85,37 @@ class ManagerClient:
 
     def __init__(self, addr: str, connect_timeout: timedelta) -> None:
         self.addr = addr
-        self._channel = grpc.insecure_channel(_rpc.grpc_target(addr),
-                                              options=_rpc.client_channel_options())
+        self._channel = grpc.insecure_channel(
+            _rpc.grpc_target(addr), options=_rpc.client_channel_options()
+        )
         try:
             grpc.channel_ready_future(self._channel).result(
-                timeout=to_seconds(connect_timeout, "connect_timeout"))
+                timeout=to_seconds(connect_timeout, "connect_timeout")
+            )
         except grpc.FutureTimeoutError:
             self._channel.close()
-            raise CoordinationError(f"manager server {addr} unreachable within "
-                                    f"{connect_timeout}") from None
+            raise CoordinationError(
+                f"manager server {addr} unreachable within {connect_timeout}"
+            ) from None
 
         def rpc(name: str, req: Any, resp: Any) -> Any:
-            return self._channel.unary_unary(f"/{_rpc.MANAGER_SERVICE}/{name}",
-                                             request_serializer=req.SerializeToString,
-                                             response_deserializer=resp.FromString)
+            return self._channel.unary_unary(
+                f"/{_rpc.MANAGER_SERVICE}/{name}",
+                request_serializer=req.SerializeToString,
+                response_deserializer=resp.FromString,
+            )
 
-        self._quorum_rpc = rpc("Quorum", torchft_pb2.ManagerQuorumRequest,
-                               torchft_pb2.ManagerQuorumResponse)
-        self._metadata_rpc = rpc("CheckpointMetadata", torchft_pb2.CheckpointMetadataRequest,
-                                 torchft_pb2.CheckpointMetadataResponse)
-        self._commit_rpc = rpc("ShouldCommit", torchft_pb2.ShouldCommitRequest,
-                               torchft_pb2.ShouldCommitResponse)
+        self._quorum_rpc = rpc(
+            "Quorum", torchft_pb2.ManagerQuorumRequest, torchft_pb2.ManagerQuorumResponse
+        )
+        self._metadata_rpc = rpc(
+            "CheckpointMetadata",
+            torchft_pb2.CheckpointMetadataRequest,
+            torchft_pb2.CheckpointMetadataResponse,
+        )
+        self._commit_rpc = rpc(
+            "ShouldCommit", torchft_pb2.ShouldCommitRequest, torchft_pb2.ShouldCommitResponse
+        )
         self._kill_rpc = rpc("Kill", torchft_pb2.KillRequest, torchft_pb2.KillResponse)
 
     def _call(self, rpc: Any, request: Any, timeout: timedelta | float, what: str) -> Any:
@@ -77,32 +124,51 @@ class ManagerClient:
         except grpc.RpcError as exc:
             raise _rpc.map_rpc_error(exc, f"manager {what}") from exc
 
-    def quorum(self, group_rank: int, step: int, checkpoint_metadata: str, shrink_only: bool,
-               init_sync: bool, commit_failures: int, timeout: timedelta,
-               fingerprint: dict[str, int] | None = None) -> ManagerQuorumResult:
+    def quorum(
+        self,
+        group_rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        init_sync: bool,
+        commit_failures: int,
+        timeout: timedelta,
+        fingerprint: dict[str, int] | None = None,
+    ) -> ManagerQuorumResult:
         """Join this step's quorum; returns this group rank's part of it.
 
         Raises:
             TimeoutError: no quorum within ``timeout``.
             RuntimeError: the server or lighthouse refused (message included).
         """
-        response = self._call(self._quorum_rpc, torchft_pb2.ManagerQuorumRequest(
-            group_rank=group_rank, step=step, checkpoint_metadata=checkpoint_metadata,
-            shrink_only=shrink_only, init_sync=init_sync, commit_failures=commit_failures,
-            fingerprint=json.dumps(fingerprint) if fingerprint else "",
-        ), timeout, "quorum")
+        response = self._call(
+            self._quorum_rpc,
+            torchft_pb2.ManagerQuorumRequest(
+                group_rank=group_rank,
+                step=step,
+                checkpoint_metadata=checkpoint_metadata,
+                shrink_only=shrink_only,
+                init_sync=init_sync,
+                commit_failures=commit_failures,
+                fingerprint=json.dumps(fingerprint) if fingerprint else "",
+            ),
+            timeout,
+            "quorum",
+        )
         return ManagerQuorumResult(
             quorum_id=response.quorum_id,
             replica_rank=response.replica_rank,
             replica_world_size=response.replica_world_size,
             recover_src_manager_address=response.recover_src_manager_address,
             recover_src_replica_rank=response.recover_src_replica_rank
-            if response.HasField("recover_src_replica_rank") else None,
+            if response.HasField("recover_src_replica_rank")
+            else None,
             recover_dst_replica_ranks=list(response.recover_dst_replica_ranks),
             store_address=response.store_address,
             max_step=response.max_step,
             max_replica_rank=response.max_replica_rank
-            if response.HasField("max_replica_rank") else None,
+            if response.HasField("max_replica_rank")
+            else None,
             max_world_size=response.max_world_size,
             heal=response.heal,
             commit_failures=response.commit_failures,
@@ -119,21 +185,35 @@ class ManagerClient:
         Raises:
             RuntimeError: that rank has not joined a quorum yet.
         """
-        return str(self._call(self._metadata_rpc, torchft_pb2.CheckpointMetadataRequest(rank=rank),
-                              timeout, "checkpoint_metadata").checkpoint_metadata)
+        return str(
+            self._call(
+                self._metadata_rpc,
+                torchft_pb2.CheckpointMetadataRequest(rank=rank),
+                timeout,
+                "checkpoint_metadata",
+            ).checkpoint_metadata
+        )
 
     _checkpoint_metadata = checkpoint_metadata
 
-    def should_commit(self, group_rank: int, step: int, should_commit: bool,
-                      timeout: timedelta) -> bool:
+    def should_commit(
+        self, group_rank: int, step: int, should_commit: bool, timeout: timedelta
+    ) -> bool:
         """Vote; returns True only if every group rank voted True on the same step.
 
         Raises:
             TimeoutError: not every rank voted within ``timeout``.
         """
-        return bool(self._call(self._commit_rpc, torchft_pb2.ShouldCommitRequest(
-            should_commit=should_commit, group_rank=group_rank, step=step),
-            timeout, "should_commit").should_commit)
+        return bool(
+            self._call(
+                self._commit_rpc,
+                torchft_pb2.ShouldCommitRequest(
+                    should_commit=should_commit, group_rank=group_rank, step=step
+                ),
+                timeout,
+                "should_commit",
+            ).should_commit
+        )
 
     def kill(self, msg: str, timeout: timedelta = timedelta(seconds=10)) -> None:
         """Ask the server's process to exit.

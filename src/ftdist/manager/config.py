@@ -41,8 +41,9 @@ def _env(env: Mapping[str, str], name: str) -> str | None:
     return None
 
 
-def _duration(name: str, value: Any, env: Mapping[str, str], env_name: str,
-              default: timedelta) -> timedelta:
+def _duration(
+    name: str, value: Any, env: Mapping[str, str], env_name: str, default: timedelta
+) -> timedelta:
     if value is None:
         raw = _env(env, env_name)
         if raw is None:
@@ -50,8 +51,10 @@ def _duration(name: str, value: Any, env: Mapping[str, str], env_name: str,
         try:
             value = timedelta(seconds=float(raw))
         except ValueError:
-            raise ValueError(f"environment variable FTDIST_/TORCHFT_{env_name}={raw!r} is not "
-                             "a number of seconds") from None
+            raise ValueError(
+                f"environment variable FTDIST_/TORCHFT_{env_name}={raw!r} is not "
+                "a number of seconds"
+            ) from None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = timedelta(seconds=float(value))
     if not isinstance(value, timedelta):
@@ -61,17 +64,19 @@ def _duration(name: str, value: Any, env: Mapping[str, str], env_name: str,
     return value
 
 
-def _int(name: str, value: Any, env: Mapping[str, str], env_names: tuple[str, ...],
-         default: int | None) -> int | None:
+def _int(
+    name: str, value: Any, env: Mapping[str, str], env_names: tuple[str, ...], default: int | None
+) -> int | None:
     if value is None:
         for env_name in env_names:
             raw = env.get(env_name)
             if raw not in (None, ""):
                 try:
-                    return int(raw)  # type: ignore[arg-type]
+                    return int(raw)
                 except ValueError:
-                    raise ValueError(f"environment variable {env_name}={raw!r} is not an "
-                                     "integer") from None
+                    raise ValueError(
+                        f"environment variable {env_name}={raw!r} is not an integer"
+                    ) from None
         return default
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r}")
@@ -128,22 +133,31 @@ class ManagerConfig:
             raise ValueError(f"world_size must be >= 1, got {group_world_size}")
         if not 0 <= group_rank < group_world_size:
             raise ValueError(f"rank must be in [0, {group_world_size}), got {group_rank}")
-        retries = _int("quorum_retries", quorum_retries, env,
-                       ("FTDIST_QUORUM_RETRIES", "TORCHFT_QUORUM_RETRIES"), 0)
+        retries = _int(
+            "quorum_retries",
+            quorum_retries,
+            env,
+            ("FTDIST_QUORUM_RETRIES", "TORCHFT_QUORUM_RETRIES"),
+            0,
+        )
         mport = _int("port", port, env, ("FTDIST_MANAGER_PORT", "TORCHFT_MANAGER_PORT"), 0)
         sport = _int("store_port", store_port, env, ("MASTER_PORT",), None)
         saddr = store_addr or env.get("MASTER_ADDR") or None
         if (saddr is None) != (sport is None):
             raise ValueError(f"store_addr and store_port go together, got {saddr!r} and {sport!r}")
         if saddr is None and group_world_size > 1:
-            raise ValueError("a replica group of several ranks needs a shared store: pass "
-                             "store_addr/store_port or set MASTER_ADDR/MASTER_PORT (torchrun does)")
+            raise ValueError(
+                "a replica group of several ranks needs a shared store: pass "
+                "store_addr/store_port or set MASTER_ADDR/MASTER_PORT (torchrun does)"
+            )
         return cls(
             timeout=_duration("timeout", timeout, env, "TIMEOUT_SEC", DEFAULT_TIMEOUT),
-            quorum_timeout=_duration("quorum_timeout", quorum_timeout, env,
-                                     "QUORUM_TIMEOUT_SEC", DEFAULT_TIMEOUT),
-            connect_timeout=_duration("connect_timeout", connect_timeout, env,
-                                      "CONNECT_TIMEOUT_SEC", DEFAULT_TIMEOUT),
+            quorum_timeout=_duration(
+                "quorum_timeout", quorum_timeout, env, "QUORUM_TIMEOUT_SEC", DEFAULT_TIMEOUT
+            ),
+            connect_timeout=_duration(
+                "connect_timeout", connect_timeout, env, "CONNECT_TIMEOUT_SEC", DEFAULT_TIMEOUT
+            ),
             quorum_retries=int(retries or 0),
             lighthouse_addr=lighthouse_addr or _env(env, "LIGHTHOUSE"),
             port=int(mport or 0),
@@ -152,6 +166,7 @@ class ManagerConfig:
             store_addr=saddr,
             store_port=sport,
             hostname=hostname or socket.gethostname(),
-            heartbeat_interval=_duration("heartbeat_interval", heartbeat_interval, {}, "",
-                                         timedelta(milliseconds=100)),
+            heartbeat_interval=_duration(
+                "heartbeat_interval", heartbeat_interval, {}, "", timedelta(milliseconds=100)
+            ),
         )

@@ -1,9 +1,12 @@
 """
-Recovery observability and consistency
-======================================
+Healing
+=======
 
-:class:`HealTimeline` records the phases of one heal (quorum wait, process
-group reconfigure, state transfer, load) so a slow recovery can be explained.
+A replica behind the quorum's max step receives the state of an up-to-date
+peer; the peer serves it. :class:`Healer` does both sides for one rank, over
+the Manager's checkpoint transport, and records each heal's phases (quorum
+wait, process group reconfigure, state transfer, load) in a
+:class:`HealTimeline`, so a slow recovery can be explained.
 
 :func:`fingerprint` reduces a state dict to a few CRC-32 values, one per
 part (``default/model``, ``default/optim/state``, ...). After a heal every
@@ -16,14 +19,22 @@ differs instead of letting replicas drift apart silently.
 
 from __future__ import annotations
 
+import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_flatten_with_path
 
+from ftdist.checkpointing import CheckpointTransport
 from ftdist.checkpointing._wire import crc_update
+
+if TYPE_CHECKING:
+    from ftdist.manager.client import ManagerClientLike
+    from ftdist.manager.rule import QuorumResult
 
 # Parts are named by this many leading path components, e.g.
 # "user/default/optim/param_groups": fine enough to say what differs, coarse enough
@@ -70,18 +81,28 @@ class HealTimeline:
     def summary(self) -> str:
         """One line for the log."""
         verb = "healed from" if self.role == "receive" else "served state to"
-        return (f"{verb} replica rank(s) {self.peers} at step {self.step} (quorum "
-                f"{self.quorum_id}): quorum {self.quorum_s * 1e3:.0f} ms, reconfigure "
-                f"{self.reconfigure_s * 1e3:.0f} ms, transfer {self.transfer_bytes / 1e6:.1f} MB in "
-                f"{self.transfer_s * 1e3:.0f} ms ({self.transfer_gbps:.2f} GB/s), load "
-                f"{self.load_s * 1e3:.0f} ms")
+        return (
+            f"{verb} replica rank(s) {self.peers} at step {self.step} (quorum "
+            f"{self.quorum_id}): quorum {self.quorum_s * 1e3:.0f} ms, reconfigure "
+            f"{self.reconfigure_s * 1e3:.0f} ms, transfer {self.transfer_bytes / 1e6:.1f} MB in "
+            f"{self.transfer_s * 1e3:.0f} ms ({self.transfer_gbps:.2f} GB/s), load "
+            f"{self.load_s * 1e3:.0f} ms"
+        )
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-friendly form."""
-        return {"step": self.step, "quorum_id": self.quorum_id, "role": self.role,
-                "peers": self.peers, "quorum_s": self.quorum_s,
-                "reconfigure_s": self.reconfigure_s, "transfer_bytes": self.transfer_bytes,
-                "transfer_s": self.transfer_s, "load_s": self.load_s, "total_s": self.total_s}
+        return {
+            "step": self.step,
+            "quorum_id": self.quorum_id,
+            "role": self.role,
+            "peers": self.peers,
+            "quorum_s": self.quorum_s,
+            "reconfigure_s": self.reconfigure_s,
+            "transfer_bytes": self.transfer_bytes,
+            "transfer_s": self.transfer_s,
+            "load_s": self.load_s,
+            "total_s": self.total_s,
+        }
 
 
 def _path_name(path: tuple[Any, ...]) -> str:
@@ -120,3 +141,89 @@ def fingerprint(state: Any) -> dict[str, int]:
             crc = zlib.crc32(repr(leaf).encode(), crc)
         parts[name] = crc
     return parts
+
+
+def _transfer_bytes(transport: CheckpointTransport[Any]) -> int:
+    stats = transport.last_transfer
+    return stats.nbytes if stats is not None else 0
+
+
+class Healer:
+    """Serves this rank's state to recovering peers, or receives a peer's.
+
+    Args:
+        transport: moves the state (the Manager's checkpoint transport).
+        timeout: bounds each transfer and metadata call.
+        connect: opens a client to a heal source's manager server, given its
+            address; clients are kept open (closing a gRPC channel blocks for
+            about 200 ms, which would land on every heal).
+    """
+
+    def __init__(
+        self,
+        transport: CheckpointTransport[Any],
+        timeout: timedelta,
+        connect: Callable[[str], ManagerClientLike],
+    ) -> None:
+        self.transport = transport
+        self._timeout = timeout
+        self._connect = connect
+        self._sources: dict[str, ManagerClientLike] = {}
+
+    def serve(
+        self, quorum: QuorumResult, state: dict[str, Any], quorum_s: float, reconfigure_s: float
+    ) -> HealTimeline:
+        """Make ``state`` available to the quorum's recovering replicas.
+
+        Raises:
+            CheckpointError: the transfer failed (blocking transports).
+        """
+        dst = list(quorum.recover_dst_replica_ranks)
+        timeline = HealTimeline(
+            quorum.max_step, quorum.quorum_id, "send", dst, quorum_s, reconfigure_s
+        )
+        start = time.perf_counter()
+        self.transport.send_checkpoint(dst, quorum.max_step, state, self._timeout)
+        timeline.transfer_s = time.perf_counter() - start
+        timeline.transfer_bytes = _transfer_bytes(self.transport)
+        return timeline
+
+    def receive(
+        self, quorum: QuorumResult, group_rank: int, quorum_s: float, reconfigure_s: float
+    ) -> tuple[dict[str, Any], HealTimeline]:
+        """Fetch the state of the quorum's max step from this rank's heal source.
+
+        Returns:
+            The received state and the heal's timeline (its ``load_s`` is
+            filled in by whoever loads the state).
+
+        Raises:
+            ValueError: the quorum names no heal source for this rank.
+            CoordinationError: the source's manager server is unreachable.
+            CheckpointError: the transfer failed, was corrupted, or was of
+                another step.
+        """
+        src = quorum.recover_src_replica_rank
+        if src is None:
+            raise ValueError(f"quorum {quorum.quorum_id} names no heal source for this rank")
+        timeline = HealTimeline(
+            quorum.max_step, quorum.quorum_id, "receive", [src], quorum_s, reconfigure_s
+        )
+        client = self._sources.get(quorum.recover_src_manager_address)
+        if client is None:
+            client = self._connect(quorum.recover_src_manager_address)
+            self._sources[quorum.recover_src_manager_address] = client
+        metadata = client.checkpoint_metadata(group_rank, self._timeout)
+        start = time.perf_counter()
+        state = self.transport.recv_checkpoint(src, metadata, quorum.max_step, self._timeout)
+        timeline.transfer_s = time.perf_counter() - start
+        timeline.transfer_bytes = _transfer_bytes(self.transport)
+        if not isinstance(state, dict):
+            raise TypeError(f"the heal source sent a {type(state).__name__}, not a state dict")
+        return state, timeline
+
+    def close(self) -> None:
+        """Close the clients to heal sources."""
+        sources, self._sources = self._sources, {}
+        for client in sources.values():
+            client.close()

@@ -33,17 +33,19 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from enum import IntEnum
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from ftdist.checkpointing import CheckpointTransport, HTTPTransport
 from ftdist.errors import FtdistError, ProcessGroupAbortedError, StateDivergenceError
-from ftdist.manager.client import ManagerClient
+from ftdist.manager.client import ManagerClient, ManagerClientLike
 from ftdist.manager.config import ManagerConfig
-from ftdist.manager.heal import HealTimeline, differing_parts, fingerprint
+from ftdist.manager.heal import Healer, HealTimeline, differing_parts, fingerprint
+from ftdist.manager.news import FailureNews
 from ftdist.manager.rule import QuorumResult
+from ftdist.manager.state import UserState
 from ftdist.manager.work import ManagedWork
 from ftdist.process_group import ProcessGroup
 from ftdist.process_group.work import CompletedWork
@@ -102,6 +104,11 @@ class Manager:
         init_sync: heal every replica from one primary at step 0.
         max_retries: raise after this many consecutive failed commits.
         quorum_retries: lighthouse quorum retries inside the ManagerServer.
+        client: for tests: use this client (e.g.
+            :class:`ftdist.testing.FakeManagerClient`) instead of starting or
+            joining the replica group's ManagerServer; no store, server or
+            lighthouse connection is made, and heal sources' checkpoint
+            metadata is asked of this client too.
 
     Raises:
         TypeError: ``pg`` is not an ftdist ProcessGroup, or an argument has
@@ -134,43 +141,62 @@ class Manager:
         init_sync: bool = True,
         max_retries: int | None = None,
         quorum_retries: int | None = None,
+        *,
+        client: ManagerClientLike | None = None,
     ) -> None:
         if not isinstance(pg, ProcessGroup):
-            raise TypeError(f"pg must be an ftdist ProcessGroup (it is reconfigured each quorum), "
-                            f"got {type(pg).__name__}")
-        if isinstance(min_replica_size, bool) or not isinstance(min_replica_size, int) \
-                or min_replica_size < 1:
+            raise TypeError(
+                f"pg must be an ftdist ProcessGroup (it is reconfigured each quorum), "
+                f"got {type(pg).__name__}"
+            )
+        if (
+            isinstance(min_replica_size, bool)
+            or not isinstance(min_replica_size, int)
+            or min_replica_size < 1
+        ):
             raise ValueError(f"min_replica_size must be an int >= 1, got {min_replica_size!r}")
         if max_retries is not None and (not isinstance(max_retries, int) or max_retries < 0):
             raise ValueError(f"max_retries must be None or an int >= 0, got {max_retries!r}")
-        settings = ManagerConfig.resolve(
-            timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=connect_timeout,
-            quorum_retries=quorum_retries, lighthouse_addr=lighthouse_addr, port=port,
-            rank=rank, world_size=world_size, store_addr=store_addr, store_port=store_port,
-            hostname=hostname, heartbeat_interval=heartbeat_interval,
+        config = ManagerConfig.resolve(
+            timeout=timeout,
+            quorum_timeout=quorum_timeout,
+            connect_timeout=connect_timeout,
+            quorum_retries=quorum_retries,
+            lighthouse_addr=lighthouse_addr,
+            port=port,
+            rank=rank,
+            world_size=world_size,
+            store_addr=store_addr,
+            store_port=store_port,
+            hostname=hostname,
+            heartbeat_interval=heartbeat_interval,
         )
-        if settings.group_rank == 0 and not settings.lighthouse_addr:
-            raise ValueError("no lighthouse address: pass lighthouse_addr= or set "
-                             "FTDIST_LIGHTHOUSE (or TORCHFT_LIGHTHOUSE)")
-        self._settings = settings
+        if client is None and config.group_rank == 0 and not config.lighthouse_addr:
+            raise ValueError(
+                "no lighthouse address: pass lighthouse_addr= or set "
+                "FTDIST_LIGHTHOUSE (or TORCHFT_LIGHTHOUSE)"
+            )
+        self._config = config
         self._pg = pg
         self._min_replica_size = min_replica_size
         self._use_async_quorum = use_async_quorum
         self._world_size_mode = WorldSizeMode(world_size_mode)
         self._init_sync = init_sync
         self._max_retries = max_retries
-        self._group_rank = settings.group_rank
+        self._group_rank = config.group_rank
 
-        self._load_fns: dict[str, Callable[[Any], None]] = {}
-        self._save_fns: dict[str, Callable[[], Any]] = {}
+        self._user_state = UserState()
         if load_state_dict is not None and state_dict is not None:
-            self.register_state_dict_fn("default", load_state_dict, state_dict)
+            self._user_state.register("default", load_state_dict, state_dict)
         elif (load_state_dict is None) != (state_dict is None):
-            raise ValueError("pass both load_state_dict and state_dict, or neither (and use "
-                             "register_state_dict_fn)")
+            raise ValueError(
+                "pass both load_state_dict and state_dict, or neither (and use "
+                "register_state_dict_fn)"
+            )
 
         self._transport: CheckpointTransport[Any] = checkpoint_transport or HTTPTransport(
-            settings.timeout, num_chunks=0, hostname=settings.hostname)
+            config.timeout, num_chunks=0, hostname=config.hostname
+        )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftdist-quorum")
         self._lock = threading.Lock()
 
@@ -190,44 +216,67 @@ class Manager:
         self._fingerprint_due = False
         self._timeline: HealTimeline | None = None
         self.heal_timelines: list[HealTimeline] = []
-        self._source_clients: dict[str, ManagerClient] = {}
         self._pending_works: list[ManagedWork] = []
 
-        from ftdist.manager.bootstrap import bootstrap
+        self._server = None
+        self._own_store: Any = None
+        if client is not None:
+            # The test seam: no store, server or lighthouse; the client
+            # answers for heal sources too.
+            self._client: ManagerClientLike = client
+            self._replica_id = replica_id or "replica"
+            self._news = FailureNews(
+                None, self._replica_id, self._on_member_failed, config.connect_timeout
+            )
 
-        boot = bootstrap(settings, replica_id)
-        self._store = boot.store
-        self._own_store = boot.own_store
-        self._server = boot.server
-        self._client = boot.client
-        self._replica_id = boot.replica_id
-        self._news = boot.start_news(self._on_member_failed)
-        logger.info("%s manager ready (group rank %d of %d)", self._prefix(),
-                    self._group_rank, settings.group_world_size)
+            def connect(address: str) -> ManagerClientLike:
+                return client
+        else:
+            from ftdist.manager.bootstrap import bootstrap
+
+            boot = bootstrap(config, replica_id)
+            self._own_store = boot.own_store
+            self._server = boot.server
+            self._client = boot.client
+            self._replica_id = boot.replica_id
+            self._news = boot.start_news(self._on_member_failed)
+
+            def connect(address: str) -> ManagerClientLike:
+                return ManagerClient(address, config.connect_timeout)
+
+        self._healer = Healer(self._transport, config.timeout, connect)
+        logger.info(
+            "%s manager ready (group rank %d of %d)",
+            self._prefix(),
+            self._group_rank,
+            config.group_world_size,
+        )
 
     # -- state registration ----------------------------------------------------
-    def register_state_dict_fn(self, key: str, load_state_dict: Callable[[Any], None],
-                               state_dict: Callable[[], Any]) -> None:
+    def register_state_dict_fn(
+        self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
+    ) -> None:
         """Register user state under ``key`` (e.g. one for the model, one for the optimizer).
 
         Raises:
+            TypeError: either function is not callable.
             ValueError: ``key`` is already registered.
         """
-        if key in self._load_fns:
-            raise ValueError(f"a state_dict function is already registered under {key!r}")
-        self._load_fns[key] = load_state_dict
-        self._save_fns[key] = state_dict
+        self._user_state.register(key, load_state_dict, state_dict)
 
     def _manager_state_dict(self) -> dict[str, Any]:
-        return {"user": {k: fn() for k, fn in self._save_fns.items()},
-                "torchft": self.state_dict()}
+        return {"user": self._user_state.save(), "torchft": self.state_dict()}
 
     def state_dict(self) -> dict[str, int]:
         """The Manager's own state: ``step`` and ``batches_committed``. Checkpoint it with yours."""
         return {"step": self._step, "batches_committed": self._batches_committed}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned.
+
+        Raises:
+            KeyError: ``step`` or ``batches_committed`` is missing.
+        """
         self._step = int(state_dict["step"])
         self._batches_committed = int(state_dict["batches_committed"])
 
@@ -251,14 +300,19 @@ class Manager:
         """
         if replica_id not in self._members or replica_id == self._replica_id:
             return
-        logger.warning("%s lighthouse reports replica %s failed (%s): aborting the process "
-                       "group", self._prefix(), replica_id, reason)
+        logger.warning(
+            "%s lighthouse reports replica %s failed (%s): aborting the process group",
+            self._prefix(),
+            replica_id,
+            reason,
+        )
         self._pg_broken = True
         self._pg.abort()
 
     # -- the quorum --------------------------------------------------------------------
-    def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False,
-                     timeout: timedelta | None = None) -> None:
+    def start_quorum(
+        self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | None = None
+    ) -> None:
         """Start this step's quorum (in the background unless ``use_async_quorum=False``).
 
         Args:
@@ -277,7 +331,8 @@ class Manager:
         self._errored = None
         self._healing = False
         self._quorum_future = self._executor.submit(
-            self._async_quorum, allow_heal, shrink_only, timeout or self._settings.quorum_timeout)
+            self._async_quorum, allow_heal, shrink_only, timeout or self._config.quorum_timeout
+        )
         if not self._use_async_quorum:
             self.wait_quorum()
             if self._healing:
@@ -292,21 +347,27 @@ class Manager:
             TimeoutError: the quorum did not form in time.
         """
         if self._quorum_future is None:
-            raise RuntimeError("wait_quorum() called before start_quorum(): call "
-                               "start_quorum() (or OptimizerWrapper.zero_grad()) first")
+            raise RuntimeError(
+                "wait_quorum() called before start_quorum(): call "
+                "start_quorum() (or OptimizerWrapper.zero_grad()) first"
+            )
         self._quorum_future.result()
 
     def _async_quorum(self, allow_heal: bool, shrink_only: bool, timeout: timedelta) -> None:
         start = time.perf_counter()
         data = None
-        if self._fingerprint_due and self._save_fns:
-            data = fingerprint({"user": {k: fn() for k, fn in self._save_fns.items()}})
+        if self._fingerprint_due and self._user_state:
+            data = self._user_state.fingerprint()
             self._fingerprint_due = False
         quorum = self._client.quorum(
-            group_rank=self._group_rank, step=self._step,
-            checkpoint_metadata=self._transport.metadata(), shrink_only=shrink_only,
-            init_sync=self._init_sync, commit_failures=self._commit_failures,
-            timeout=timeout, fingerprint=data,
+            group_rank=self._group_rank,
+            step=self._step,
+            checkpoint_metadata=self._transport.metadata(),
+            shrink_only=shrink_only,
+            init_sync=self._init_sync,
+            commit_failures=self._commit_failures,
+            timeout=timeout,
+            fingerprint=data,
         )
         quorum_s = time.perf_counter() - start
         if quorum.divergence:
@@ -319,8 +380,10 @@ class Manager:
             start = time.perf_counter()
             self._quorum_id = quorum.quorum_id
             self._members = list(quorum.replica_ids)
-            store = f"{quorum.store_address}/ftdist/{quorum.quorum_id}-{quorum.created_ns}/" \
-                    f"{self._group_rank}"
+            store = (
+                f"{quorum.store_address}/ftdist/{quorum.quorum_id}-{quorum.created_ns}/"
+                f"{self._group_rank}"
+            )
             try:
                 self._pg.configure(store, quorum.replica_rank, quorum.replica_world_size)
             except Exception as exc:
@@ -328,21 +391,30 @@ class Manager:
                 return
             self._pg_broken = False
             reconfigure_s = time.perf_counter() - start
-            logger.info("%s reconfigured for quorum %d: %d replica groups %s", self._prefix(),
-                        quorum.quorum_id, quorum.replica_world_size, quorum.replica_ids)
+            logger.info(
+                "%s reconfigured for quorum %d: %d replica groups %s",
+                self._prefix(),
+                quorum.quorum_id,
+                quorum.replica_world_size,
+                quorum.replica_ids,
+            )
             # Replicas that just (re)joined must agree on their state: compare
             # fingerprints at the next quorum.
             self._fingerprint_due = True
         if not allow_heal:
             return
         needs_state = quorum.heal or bool(quorum.recover_dst_replica_ranks)
-        if needs_state and not self._save_fns:
-            raise ValueError("healing is needed but no state_dict function is registered: pass "
-                             "load_state_dict/state_dict to Manager or call "
-                             "register_state_dict_fn()")
+        if needs_state and not self._user_state:
+            raise ValueError(
+                "healing is needed but no state_dict function is registered: pass "
+                "load_state_dict/state_dict to Manager or call "
+                "register_state_dict_fn()"
+            )
         try:
             if quorum.recover_dst_replica_ranks:
-                self._serve_state(quorum, quorum_s, reconfigure_s)
+                self.heal_timelines.append(
+                    self._healer.serve(quorum, self._manager_state_dict(), quorum_s, reconfigure_s)
+                )
             if quorum.heal:
                 self._receive_state(quorum, quorum_s, reconfigure_s)
         except Exception as exc:
@@ -359,43 +431,13 @@ class Manager:
                 rank = None
         self._participating_rank, self._participating_world_size = rank, world
 
-    def _serve_state(self, quorum: QuorumResult, quorum_s: float, reconfigure_s: float) -> None:
-        timeline = HealTimeline(quorum.max_step, quorum.quorum_id, "send",
-                                list(quorum.recover_dst_replica_ranks), quorum_s, reconfigure_s)
-        start = time.perf_counter()
-        self._transport.send_checkpoint(list(quorum.recover_dst_replica_ranks), quorum.max_step,
-                                        self._manager_state_dict(), self._settings.timeout)
-        stats = self._transport.last_transfer
-        timeline.transfer_s = time.perf_counter() - start
-        timeline.transfer_bytes = stats.nbytes if stats is not None else 0
-        self.heal_timelines.append(timeline)
-
     def _receive_state(self, quorum: QuorumResult, quorum_s: float, reconfigure_s: float) -> None:
-        assert quorum.recover_src_replica_rank is not None
         self._healing = True
-        timeline = HealTimeline(quorum.max_step, quorum.quorum_id, "receive",
-                                [quorum.recover_src_replica_rank], quorum_s, reconfigure_s)
-        metadata = self._source_client(quorum.recover_src_manager_address).checkpoint_metadata(
-            self._group_rank, self._settings.timeout)
-        start = time.perf_counter()
-        state = self._transport.recv_checkpoint(quorum.recover_src_replica_rank, metadata,
-                                                quorum.max_step, self._settings.timeout)
-        timeline.transfer_s = time.perf_counter() - start
-        stats = self._transport.last_transfer
-        timeline.transfer_bytes = stats.nbytes if stats is not None else 0
-        self._pending_state = cast(dict, state)
-        self.load_state_dict(self._pending_state["torchft"])
+        state, timeline = self._healer.receive(quorum, self._group_rank, quorum_s, reconfigure_s)
+        self._pending_state = state
+        self.load_state_dict(state["torchft"])
         self._step = quorum.max_step
         self._timeline = timeline
-
-    def _source_client(self, address: str) -> ManagerClient:
-        # Kept open: closing a gRPC channel blocks for ~200 ms, which would
-        # land on every heal.
-        client = self._source_clients.get(address)
-        if client is None:
-            client = ManagerClient(address, self._settings.connect_timeout)
-            self._source_clients[address] = client
-        return client
 
     def _apply_pending_state(self) -> None:
         """Load a received state into the user's objects, from the training thread."""
@@ -406,17 +448,19 @@ class Manager:
             return
         start = time.perf_counter()
         received = fingerprint({"user": pending["user"]})
-        for key, load in self._load_fns.items():
-            load(pending["user"][key])
+        self._user_state.load(pending["user"])
         # Whatever was received must now be what state_dict() returns: a
         # load function that skips something (a scheduler, a learning rate)
         # would otherwise leave this replica silently different.
-        loaded = fingerprint({"user": {k: fn() for k, fn in self._save_fns.items()}})
+        loaded = self._user_state.fingerprint()
         differ = differing_parts(received, loaded)
         if differ:
-            self.report_error(StateDivergenceError(
-                f"the state loaded while healing does not match the state received: {differ} "
-                "differ; make load_state_dict restore everything state_dict returns"))
+            self.report_error(
+                StateDivergenceError(
+                    f"the state loaded while healing does not match the state received: {differ} "
+                    "differ; make load_state_dict restore everything state_dict returns"
+                )
+            )
         timeline = self._timeline
         if timeline is not None:
             timeline.load_s = time.perf_counter() - start
@@ -426,8 +470,12 @@ class Manager:
         self._healing = False
 
     # -- the step ---------------------------------------------------------------------------
-    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False,
-                  reduce_op: dist.ReduceOp.RedOpType = dist.ReduceOp.AVG) -> dist.Work:
+    def allreduce(
+        self,
+        tensor: torch.Tensor,
+        should_quantize: bool = False,
+        reduce_op: dist.ReduceOp.RedOpType = dist.ReduceOp.AVG,
+    ) -> dist.Work:
         """Fault-tolerant allreduce of ``tensor`` over the participating replicas.
 
         ``AVG`` divides by the number of participants. A replica that is
@@ -455,7 +503,7 @@ class Manager:
         except Exception as exc:
             self.report_error(exc)
             return CompletedWork(tensor)
-        managed = ManagedWork(self, work, tensor, divisor)
+        managed = ManagedWork(self, work, tensor, divisor, self._config.timeout)
         self._pending_works.append(managed)
         return managed
 
@@ -476,8 +524,9 @@ class Manager:
         pg_error = self._pg.errored()
         # An abort on failure news is not an error of this step by itself:
         # collectives it cut short reported their own errors.
-        if pg_error is not None and not (self._pg_broken
-                                         and isinstance(pg_error, ProcessGroupAbortedError)):
+        if pg_error is not None and not (
+            self._pg_broken and isinstance(pg_error, ProcessGroupAbortedError)
+        ):
             self.report_error(pg_error)
         if self._healing:
             self._apply_pending_state()
@@ -485,12 +534,13 @@ class Manager:
             self.wait_quorum()
         enough = self.num_participants() >= self._min_replica_size
         local = enough and self._errored is None
-        if self._settings.group_world_size == 1:
+        if self._config.group_world_size == 1:
             # A vote of one: no round trip to the server.
             decision = local
         else:
-            decision = self._client.should_commit(self._group_rank, self._step, local,
-                                                  timeout or self._settings.timeout)
+            decision = self._client.should_commit(
+                self._group_rank, self._step, local, timeout or self._config.timeout
+            )
         self._transport.disallow_checkpoint()
         logger.debug("%s commit vote %s -> %s", self._prefix(), local, decision)
         if decision:
@@ -500,9 +550,11 @@ class Manager:
         else:
             self._commit_failures += 1
             if self._max_retries is not None and self._commit_failures > self._max_retries:
-                raise RuntimeError(f"should_commit failed {self._commit_failures} times in a row, "
-                                   f"more than max_retries={self._max_retries}; last error: "
-                                   f"{self._errored}")
+                raise RuntimeError(
+                    f"should_commit failed {self._commit_failures} times in a row, "
+                    f"more than max_retries={self._max_retries}; last error: "
+                    f"{self._errored}"
+                )
         return decision
 
     # -- accessors ---------------------------------------------------------------------------
@@ -554,8 +606,7 @@ class Manager:
         self._transport.shutdown(wait)
         self._executor.shutdown(wait=wait, cancel_futures=True)
         self._client.close()
-        for client in self._source_clients.values():
-            client.close()
+        self._healer.close()
         if self._server is not None:
             self._server.shutdown()
         self._own_store = None

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class MemberLike(Protocol):
@@ -77,8 +77,9 @@ class QuorumResult:
     replica_ids: list[str] = field(default_factory=list)
 
 
-def compute_quorum_results(replica_id: str, group_rank: int, quorum_id: int,
-                           members: Sequence[MemberLike], init_sync: bool) -> QuorumResult:
+def compute_quorum_results(
+    replica_id: str, group_rank: int, quorum_id: int, members: Sequence[MemberLike], init_sync: bool
+) -> QuorumResult:
     """Compute what group rank ``group_rank`` of ``replica_id`` does in this quorum.
 
     Raises:
@@ -101,8 +102,11 @@ def compute_quorum_results(replica_id: str, group_rank: int, quorum_id: int,
     primary = up_to_date[group_rank % len(up_to_date)]
     # At step 0 with init_sync, everyone copies the primary's initial state.
     force = init_sync and max_step == 0
-    recovering = [i for i, m in enumerate(ordered)
-                  if m.step != max_step or (force and m.replica_id != primary.replica_id)]
+    recovering = [
+        i
+        for i, m in enumerate(ordered)
+        if m.step != max_step or (force and m.replica_id != primary.replica_id)
+    ]
     sources = [i for i in range(len(ordered)) if i not in set(recovering)]
 
     sends: dict[int, list[int]] = {}
@@ -137,7 +141,7 @@ class _HasData(Protocol):
     @property
     def step(self) -> int: ...
     @property
-    def data(self) -> dict | None: ...
+    def data(self) -> dict[str, Any] | None: ...
 
 
 def find_divergence(members: Sequence[_HasData]) -> str | None:
@@ -153,7 +157,7 @@ def find_divergence(members: Sequence[_HasData]) -> str | None:
     Returns:
         None if all agree, else a message naming what differs and where.
     """
-    by_step: dict[int, list[tuple[str, dict]]] = {}
+    by_step: dict[int, list[tuple[str, dict[str, Any]]]] = {}
     for m in members:
         fp = (m.data or {}).get("fingerprint") if isinstance(m.data, dict) else None
         if fp:
@@ -168,8 +172,7 @@ def find_divergence(members: Sequence[_HasData]) -> str | None:
                 values = {rid: fp[group_rank][part] for rid, fp in reports}
                 if len(set(values.values())) > 1:
                     seen = ", ".join(f"{rid}: {v:#010x}" for rid, v in sorted(values.items()))
-                    problems.append(f"'{part}' of group rank {group_rank} at step {step} "
-                                    f"({seen})")
+                    problems.append(f"'{part}' of group rank {group_rank} at step {step} ({seen})")
     if not problems:
         return None
     return "replica state diverged after recovery: " + "; ".join(problems)

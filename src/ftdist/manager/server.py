@@ -77,9 +77,18 @@ class ManagerServer:
         OSError: ``bind`` cannot be bound.
     """
 
-    def __init__(self, replica_id: str, lighthouse_addr: str, hostname: str, bind: str,
-                 store_addr: str, world_size: int, heartbeat_interval: timedelta,
-                 connect_timeout: timedelta, quorum_retries: int = 0) -> None:
+    def __init__(
+        self,
+        replica_id: str,
+        lighthouse_addr: str,
+        hostname: str,
+        bind: str,
+        store_addr: str,
+        world_size: int,
+        heartbeat_interval: timedelta,
+        connect_timeout: timedelta,
+        quorum_retries: int = 0,
+    ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self._replica_id = replica_id
@@ -95,31 +104,42 @@ class ManagerServer:
         self._metadata: dict[int, str] = {}
         self._stopped = threading.Event()
 
-        self._pool = ThreadPoolExecutor(max_workers=2 * world_size + 8,
-                                        thread_name_prefix="ftdist-mgr")
+        self._pool = ThreadPoolExecutor(
+            max_workers=2 * world_size + 8, thread_name_prefix="ftdist-mgr"
+        )
         self._server = grpc.server(self._pool, options=_rpc.server_options())
         handlers = {
             "Quorum": grpc.unary_unary_rpc_method_handler(
-                self._quorum, torchft_pb2.ManagerQuorumRequest.FromString,
-                torchft_pb2.ManagerQuorumResponse.SerializeToString),
+                self._quorum,
+                torchft_pb2.ManagerQuorumRequest.FromString,
+                torchft_pb2.ManagerQuorumResponse.SerializeToString,
+            ),
             "CheckpointMetadata": grpc.unary_unary_rpc_method_handler(
-                self._checkpoint_metadata, torchft_pb2.CheckpointMetadataRequest.FromString,
-                torchft_pb2.CheckpointMetadataResponse.SerializeToString),
+                self._checkpoint_metadata,
+                torchft_pb2.CheckpointMetadataRequest.FromString,
+                torchft_pb2.CheckpointMetadataResponse.SerializeToString,
+            ),
             "ShouldCommit": grpc.unary_unary_rpc_method_handler(
-                self._should_commit, torchft_pb2.ShouldCommitRequest.FromString,
-                torchft_pb2.ShouldCommitResponse.SerializeToString),
+                self._should_commit,
+                torchft_pb2.ShouldCommitRequest.FromString,
+                torchft_pb2.ShouldCommitResponse.SerializeToString,
+            ),
             "Kill": grpc.unary_unary_rpc_method_handler(
-                self._kill, torchft_pb2.KillRequest.FromString,
-                torchft_pb2.KillResponse.SerializeToString),
+                self._kill,
+                torchft_pb2.KillRequest.FromString,
+                torchft_pb2.KillResponse.SerializeToString,
+            ),
         }
         self._server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(_rpc.MANAGER_SERVICE, handlers),))
+            (grpc.method_handlers_generic_handler(_rpc.MANAGER_SERVICE, handlers),)
+        )
         self._port = self._server.add_insecure_port(bind)
         if not self._port:
             raise OSError(f"cannot bind the manager server to {bind}")
         self._server.start()
-        self._heartbeat = threading.Thread(target=self._heartbeat_loop,
-                                           name="ftdist-mgr-heartbeat", daemon=True)
+        self._heartbeat = threading.Thread(
+            target=self._heartbeat_loop, name="ftdist-mgr-heartbeat", daemon=True
+        )
         self._heartbeat.start()
 
     def address(self) -> str:
@@ -144,21 +164,26 @@ class ManagerServer:
     def _heartbeat_loop(self) -> None:
         while not self._stopped.wait(self._heartbeat_s):
             try:
-                self._lighthouse.heartbeat(self._replica_id, timeout=max(1.0, self._heartbeat_s * 10))
+                self._lighthouse.heartbeat(
+                    self._replica_id, timeout=max(1.0, self._heartbeat_s * 10)
+                )
             except Exception as exc:  # keep trying: the lighthouse may be restarting
                 if not self._stopped.is_set():
                     logger.warning("[%s] lighthouse heartbeat failed: %s", self._replica_id, exc)
 
     # -- Quorum -------------------------------------------------------------------
-    def _quorum(self, request: torchft_pb2.ManagerQuorumRequest,
-                context: grpc.ServicerContext) -> torchft_pb2.ManagerQuorumResponse:
+    def _quorum(
+        self, request: torchft_pb2.ManagerQuorumRequest, context: grpc.ServicerContext
+    ) -> torchft_pb2.ManagerQuorumResponse:
         remaining = context.time_remaining()
         if remaining is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "missing timeout")
         rank = request.group_rank
         if not 0 <= rank < self._world_size:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"group_rank {rank} is outside [0, {self._world_size})")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"group_rank {rank} is outside [0, {self._world_size})",
+            )
         if request.step < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {request.step} is negative")
         with self._lock:
@@ -175,15 +200,22 @@ class ManagerServer:
             # that its failure reaches every waiting rank at the same moment.
             self._run_quorum(current, min(current.deadlines.values()) - time.monotonic())
         if not current.done.wait(remaining):
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                          f"quorum did not complete: {len(current.arrivals)} of "
-                          f"{self._world_size} group ranks arrived")
+            context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"quorum did not complete: {len(current.arrivals)} of "
+                f"{self._world_size} group ranks arrived",
+            )
         if current.error is not None:
             context.abort(*current.error)
         assert current.quorum is not None
         try:
-            result = compute_quorum_results(self._replica_id, rank, current.quorum.quorum_id,
-                                            current.quorum.participants, request.init_sync)
+            result = compute_quorum_results(
+                self._replica_id,
+                rank,
+                current.quorum.quorum_id,
+                current.quorum.participants,
+                request.init_sync,
+            )
         except LookupError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         created = current.quorum.created
@@ -210,30 +242,42 @@ class ManagerServer:
         try:
             steps = {r: q.step for r, q in requests.items()}
             if len(set(steps.values())) > 1:
-                current.error = (grpc.StatusCode.FAILED_PRECONDITION,
-                                 f"group ranks of {self._replica_id} disagree on the step: "
-                                 f"{dict(sorted(steps.items()))}")
+                current.error = (
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"group ranks of {self._replica_id} disagree on the step: "
+                    f"{dict(sorted(steps.items()))}",
+                )
                 return
-            fingerprints = {str(r): json.loads(q.fingerprint)
-                            for r, q in requests.items() if q.fingerprint}
+            fingerprints = {
+                str(r): json.loads(q.fingerprint) for r, q in requests.items() if q.fingerprint
+            }
             data = {"fingerprint": fingerprints} if fingerprints else None
             deadline = time.monotonic() + timeout
             for attempt in range(self._quorum_retries + 1):
                 try:
                     current.quorum = self._lighthouse.quorum(
-                        self._replica_id, timeout=max(0.01, deadline - time.monotonic()),
-                        address=self.address(), store_address=self._store_addr,
-                        step=next(iter(steps.values())), world_size=self._world_size,
-                        shrink_only=any(q.shrink_only for q in requests.values()), data=data,
+                        self._replica_id,
+                        timeout=max(0.01, deadline - time.monotonic()),
+                        address=self.address(),
+                        store_address=self._store_addr,
+                        step=next(iter(steps.values())),
+                        world_size=self._world_size,
+                        shrink_only=any(q.shrink_only for q in requests.values()),
+                        data=data,
                         commit_failures=max(q.commit_failures for q in requests.values()),
                     )
                     break
                 except Exception as exc:
                     if attempt == self._quorum_retries or time.monotonic() >= deadline:
-                        code = grpc.StatusCode.DEADLINE_EXCEEDED \
-                            if isinstance(exc, TimeoutError) else grpc.StatusCode.UNAVAILABLE
-                        current.error = (code, f"lighthouse quorum failed after {attempt + 1} "
-                                               f"attempt(s): {exc}")
+                        code = (
+                            grpc.StatusCode.DEADLINE_EXCEEDED
+                            if isinstance(exc, TimeoutError)
+                            else grpc.StatusCode.UNAVAILABLE
+                        )
+                        current.error = (
+                            code,
+                            f"lighthouse quorum failed after {attempt + 1} attempt(s): {exc}",
+                        )
                         return
                     time.sleep(min(0.1 * (attempt + 1), max(0.0, deadline - time.monotonic())))
             assert current.quorum is not None
@@ -245,22 +289,27 @@ class ManagerServer:
             current.done.set()
 
     # -- the other RPCs ---------------------------------------------------------
-    def _checkpoint_metadata(self, request: torchft_pb2.CheckpointMetadataRequest,
-                             context: grpc.ServicerContext
-                             ) -> torchft_pb2.CheckpointMetadataResponse:
+    def _checkpoint_metadata(
+        self, request: torchft_pb2.CheckpointMetadataRequest, context: grpc.ServicerContext
+    ) -> torchft_pb2.CheckpointMetadataResponse:
         with self._lock:
             metadata = self._metadata.get(request.rank)
         if metadata is None:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"rank not found: group rank {request.rank} has not joined a quorum")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"rank not found: group rank {request.rank} has not joined a quorum",
+            )
         return torchft_pb2.CheckpointMetadataResponse(checkpoint_metadata=metadata)
 
-    def _should_commit(self, request: torchft_pb2.ShouldCommitRequest,
-                       context: grpc.ServicerContext) -> torchft_pb2.ShouldCommitResponse:
+    def _should_commit(
+        self, request: torchft_pb2.ShouldCommitRequest, context: grpc.ServicerContext
+    ) -> torchft_pb2.ShouldCommitResponse:
         rank = request.group_rank
         if not 0 <= rank < self._world_size:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"group_rank {rank} is outside [0, {self._world_size})")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"group_rank {rank} is outside [0, {self._world_size})",
+            )
         with self._lock:
             current = self._commit_round
             current.arrivals[rank] = (request.should_commit, request.step)
@@ -270,19 +319,25 @@ class ManagerServer:
                 steps = {s for _, s in votes.values()}
                 current.decision = all(v for v, _ in votes.values()) and len(steps) == 1
                 if len(steps) > 1:
-                    logger.error("[%s] group ranks voted on different steps %s: not committing",
-                                 self._replica_id, {r: s for r, (_, s) in votes.items()})
+                    logger.error(
+                        "[%s] group ranks voted on different steps %s: not committing",
+                        self._replica_id,
+                        {r: s for r, (_, s) in votes.items()},
+                    )
                 current.done.set()
         if not current.done.wait(context.time_remaining()):
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                          f"commit vote incomplete: {len(current.arrivals)} of "
-                          f"{self._world_size} group ranks voted")
+            context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"commit vote incomplete: {len(current.arrivals)} of "
+                f"{self._world_size} group ranks voted",
+            )
         if current.error is not None:
             context.abort(*current.error)
         return torchft_pb2.ShouldCommitResponse(should_commit=current.decision)
 
-    def _kill(self, request: torchft_pb2.KillRequest,
-              context: grpc.ServicerContext) -> torchft_pb2.KillResponse:
+    def _kill(
+        self, request: torchft_pb2.KillRequest, context: grpc.ServicerContext
+    ) -> torchft_pb2.KillResponse:
         logger.warning("[%s] killed: %s", self._replica_id, request.msg)
         # Answer first, then exit: the caller learns the kill landed.
         threading.Timer(0.1, os._exit, args=(1,)).start()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -21,15 +21,22 @@ class ManagedWork(dist._Work):
     tensor as it is.
     """
 
-    def __init__(self, manager: Manager, work: dist.Work, tensor: torch.Tensor,
-                 divisor: int | None) -> None:
+    def __init__(
+        self,
+        manager: Manager,
+        work: dist.Work,
+        tensor: torch.Tensor,
+        divisor: int | None,
+        timeout: timedelta,
+    ) -> None:
         super().__init__()
+        self._timeout = timeout
         self._manager = manager
         self._work = work
         self._tensor = tensor
         self._divisor = divisor
         self._lock = threading.Lock()
-        self._future: torch.futures.Future | None = None
+        self._future: torch.futures.Future[Any] | None = None
 
     def _finish(self) -> None:
         with self._lock:
@@ -40,17 +47,18 @@ class ManagedWork(dist._Work):
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Wait for the allreduce; on failure record it and return False."""
         try:
-            self._work.wait(timeout or self._manager._settings.timeout)
+            self._work.wait(timeout or self._timeout)
         except Exception as exc:
             self._manager.report_error(exc)
             return False
         self._finish()
         return True
 
-    def get_future(self) -> torch.futures.Future:
+    def get_future(self) -> torch.futures.Future[Any]:
         """Resolves to the (averaged) tensor; on failure, to the tensor as is."""
         if self._future is None:
-            def done(fut: torch.futures.Future) -> torch.Tensor:
+
+            def done(fut: torch.futures.Future[Any]) -> torch.Tensor:
                 try:
                     fut.value()
                 except Exception as exc:

@@ -51,8 +51,15 @@ def child_main(conn: Connection) -> None:
     os._exit(0)
 
 
-def _configure(conn: Connection, kind: str, store_addr: str, rank: int, world_size: int,
-               timeout: timedelta, device: int | None) -> Any:
+def _configure(
+    conn: Connection,
+    kind: str,
+    store_addr: str,
+    rank: int,
+    world_size: int,
+    timeout: timedelta,
+    device: int | None,
+) -> Any:
     try:
         if device is not None:
             torch.cuda.set_device(device)
@@ -65,8 +72,15 @@ def _configure(conn: Connection, kind: str, store_addr: str, rank: int, world_si
     return backend
 
 
-def _on_done(reply: Any, op_id: int, name: str, work: Any, cuda: bool,
-             _value: Any, error: BaseException | None) -> None:
+def _on_done(
+    reply: Any,
+    op_id: int,
+    name: str,
+    work: Any,
+    cuda: bool,
+    _value: Any,
+    error: BaseException | None,
+) -> None:
     if error is not None:
         reply(("done", op_id, f"{type(error).__name__}: {error}", None))
         return

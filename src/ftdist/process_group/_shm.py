@@ -33,9 +33,16 @@ from torch.multiprocessing.reductions import StorageWeakRef
 _OPTION_TYPES = {
     cls.__name__: cls
     for cls in (
-        c10d.AllreduceOptions, c10d.AllreduceCoalescedOptions, c10d.BroadcastOptions,
-        c10d.ReduceOptions, c10d.AllgatherOptions, c10d.GatherOptions, c10d.ScatterOptions,
-        c10d.ReduceScatterOptions, c10d.AllToAllOptions, c10d.BarrierOptions,
+        c10d.AllreduceOptions,
+        c10d.AllreduceCoalescedOptions,
+        c10d.BroadcastOptions,
+        c10d.ReduceOptions,
+        c10d.AllgatherOptions,
+        c10d.GatherOptions,
+        c10d.ScatterOptions,
+        c10d.ReduceScatterOptions,
+        c10d.AllToAllOptions,
+        c10d.BarrierOptions,
     )
 }
 _EMPTY = -1
@@ -125,8 +132,9 @@ class Exporter:
                 new.append((key, whole))
         else:
             key = entry[0]
-        return TensorRef(key, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()), t.dtype,
-                         device)
+        return TensorRef(
+            key, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()), t.dtype, device
+        )
 
     def retired(self) -> list[int]:
         """Keys of storages that died since the last call (the child may drop them)."""
@@ -154,8 +162,9 @@ class Importer:
         """Decode what :meth:`Exporter.encode` produced."""
         if isinstance(obj, TensorRef):
             if obj.key == _EMPTY:
-                return torch.empty_strided(obj.shape, obj.stride, dtype=obj.dtype,
-                                           device=obj.device)
+                return torch.empty_strided(
+                    obj.shape, obj.stride, dtype=obj.dtype, device=obj.device
+                )
             held = self._storages[obj.key]
             storage = held.untyped_storage() if isinstance(held, torch.Tensor) else held
             view = torch.empty(0, dtype=obj.dtype, device=obj.device)

@@ -87,8 +87,9 @@ class StoreClients:
         with self._lock:
             tcp = self._clients.get(key)
             if tcp is None:
-                tcp = dist.TCPStore(addr.host, addr.port, is_master=False,
-                                    wait_for_workers=False, timeout=timeout)
+                tcp = dist.TCPStore(
+                    addr.host, addr.port, is_master=False, wait_for_workers=False, timeout=timeout
+                )
                 self._clients[key] = tcp
         tcp.set_timeout(timeout)
         return dist.PrefixStore(addr.prefix, tcp)
@@ -103,9 +104,7 @@ class StoreClients:
             self._clients.pop((addr.host, addr.port), None)
 
 
-def create_store_client(
-    store_addr: str, timeout: timedelta = timedelta(seconds=60)
-) -> dist.Store:
+def create_store_client(store_addr: str, timeout: timedelta = timedelta(seconds=60)) -> dist.Store:
     """Connect to the TCPStore at ``host:port/prefix`` and return a ``PrefixStore``.
 
     Args:
@@ -120,6 +119,7 @@ def create_store_client(
     addr = parse_store_addr(store_addr)
     if not isinstance(timeout, timedelta):
         raise TypeError(f"timeout must be a datetime.timedelta, got {timeout!r}")
-    tcp = dist.TCPStore(addr.host, addr.port, is_master=False, wait_for_workers=False,
-                        timeout=timeout)
+    tcp = dist.TCPStore(
+        addr.host, addr.port, is_master=False, wait_for_workers=False, timeout=timeout
+    )
     return dist.PrefixStore(addr.prefix, tcp)

@@ -95,7 +95,8 @@ class _BabyWork(dist._Work):
             # A caller's own bound: the op may still finish; leave the child be.
             if not self._event.wait(limit):
                 raise CollectiveTimeoutError(
-                    f"{self._child.describe()}: {self._op} not done within {limit:.3f}s")
+                    f"{self._child.describe()}: {self._op} not done within {limit:.3f}s"
+                )
         else:
             limit = (self._child.timeout + WAIT_MARGIN).total_seconds()
             if not self._event.wait(limit):
@@ -111,7 +112,7 @@ class _BabyWork(dist._Work):
             self._extra.wait()
         return True
 
-    def get_future(self) -> torch.futures.Future:
+    def get_future(self) -> torch.futures.Future[Any]:
         """Resolves to the op's output tensors, or fails like :meth:`wait`."""
         with self._lock:
             if self._future is None:
@@ -156,17 +157,21 @@ class _Child:
     def describe(self) -> str:
         return f"{self.label} (child pid {self.proc.pid})"
 
-    def configure(self, kind: str, store_addr: str, rank: int, world_size: int,
-                  device: int | None) -> None:
+    def configure(
+        self, kind: str, store_addr: str, rank: int, world_size: int, device: int | None
+    ) -> None:
         self.conn.send(("configure", kind, store_addr, rank, world_size, self.timeout, device))
         limit = (self.timeout + WAIT_MARGIN).total_seconds()
         if not self.conn.poll(limit):
-            raise CollectiveTimeoutError(f"{self.describe()}: configure got no answer in {limit:.1f}s")
+            raise CollectiveTimeoutError(
+                f"{self.describe()}: configure got no answer in {limit:.1f}s"
+            )
         msg = self.conn.recv()
         if msg[0] != "ready":
             raise RuntimeError(f"{self.describe()}: configure failed in the child: {msg[1]}")
-        self._reader = threading.Thread(target=self._read_loop, name="ftdist-baby-reader",
-                                        daemon=True)
+        self._reader = threading.Thread(
+            target=self._read_loop, name="ftdist-baby-reader", daemon=True
+        )
         self._reader.start()
 
     def submit(self, name: str, args: tuple[Any, ...], op: str, post: Post) -> _BabyWork:
@@ -199,13 +204,18 @@ class _Child:
             with self._lock:
                 work = self.pending.pop(op_id, None)
             if work is not None:
-                error = CommunicationError(f"{self.describe()}: {work._op} failed: {err}") \
-                    if err is not None else None
+                error = (
+                    CommunicationError(f"{self.describe()}: {work._op} failed: {err}")
+                    if err is not None
+                    else None
+                )
                 work._complete(error, extra)
         self.proc.join(timeout=1)
-        self.kill(BackendProcessError(
-            f"{self.describe()} exited unexpectedly (exit code {self.proc.exitcode})"
-        ))
+        self.kill(
+            BackendProcessError(
+                f"{self.describe()} exited unexpectedly (exit code {self.proc.exitcode})"
+            )
+        )
 
     def fail_pending(self, reason: Exception) -> None:
         """Mark the child dead and fail every op still pending with ``reason``."""
@@ -248,7 +258,7 @@ class _SparePool:
     def _start() -> tuple[Any, Connection]:
         ctx = forkserver_context()
         parent_end, child_end = ctx.Pipe(duplex=True)
-        proc = ctx.Process(target=child_main, args=(child_end,), name="ftdist-baby", daemon=True)  # type: ignore[attr-defined]
+        proc = ctx.Process(target=child_main, args=(child_end,), name="ftdist-baby", daemon=True)
         proc.start()
         child_end.close()
         return proc, parent_end
@@ -326,13 +336,17 @@ class ProcessGroupBaby(ProcessGroup):
         """
         self._check_configure_args(store_addr, rank, world_size)
         with self._config_lock:
-            self._teardown(ProcessGroupAbortedError(
-                f"{self.getBackendName()} group was reconfigured; work in flight was abandoned"
-            ), background=True)
+            self._teardown(
+                ProcessGroupAbortedError(
+                    f"{self.getBackendName()} group was reconfigured; work in flight was abandoned"
+                ),
+                background=True,
+            )
             self._set_topology(rank, world_size)
             proc, conn = self._spares.take()
-            child = _Child(proc, conn, self._timeout,
-                           f"{self.getBackendName()} rank {rank}/{world_size}")
+            child = _Child(
+                proc, conn, self._timeout, f"{self.getBackendName()} rank {rank}/{world_size}"
+            )
             try:
                 child.configure(self.BACKEND, store_addr, rank, world_size, self._device())
             except Exception as exc:
@@ -342,8 +356,9 @@ class ProcessGroupBaby(ProcessGroup):
                     f"world_size={world_size}) failed: {exc}"
                 ) from exc
             finally:
-                threading.Thread(target=self._spares.refill, name="ftdist-baby-spare",
-                                 daemon=True).start()
+                threading.Thread(
+                    target=self._spares.refill, name="ftdist-baby-spare", daemon=True
+                ).start()
             self._child = child
             self._error = None
 
@@ -355,8 +370,9 @@ class ProcessGroupBaby(ProcessGroup):
             # The old child's ops fail at once; joining its process and
             # reader thread (~10 ms) need not delay the new configure.
             child.fail_pending(reason)
-            threading.Thread(target=child.kill, args=(reason,), name="ftdist-baby-reap",
-                             daemon=True).start()
+            threading.Thread(
+                target=child.kill, args=(reason,), name="ftdist-baby-reap", daemon=True
+            ).start()
         else:
             child.kill(reason)
 
@@ -369,8 +385,9 @@ class ProcessGroupBaby(ProcessGroup):
         if child is not None:
             self._error = ProcessGroupAbortedError(f"{self.getBackendName()} group was aborted")
             child.fail_pending(self._error)
-            threading.Thread(target=child.kill, args=(self._error,), name="ftdist-baby-reap",
-                             daemon=True).start()
+            threading.Thread(
+                target=child.kill, args=(self._error,), name="ftdist-baby-reap", daemon=True
+            ).start()
 
     def shutdown(self) -> None:
         """Kill the child and the warm spare."""
@@ -406,7 +423,9 @@ class ProcessGroupBaby(ProcessGroup):
     def _collective(self, op: str, args: tuple[Any, ...], post: Post = None) -> dist.Work:
         return self._live_child().submit(BACKEND_NAME.get(op, op), args, op, post)
 
-    def _collective_many(self, op: str, calls: list[tuple[Any, ...]], post: Post = None) -> dist.Work:
+    def _collective_many(
+        self, op: str, calls: list[tuple[Any, ...]], post: Post = None
+    ) -> dist.Work:
         child = self._live_child()
         works = [child.submit(BACKEND_NAME.get(op, op), args, op, None) for args in calls]
         gen = Generation(child.describe(), self._timeout)

@@ -116,13 +116,13 @@ class _OwnRanks(dict):  # type: ignore[type-arg]
             raise KeyError(rank)
         return rank
 
-    def items(self):  # type: ignore[no-untyped-def,override]
+    def items(self):  # type: ignore[no-untyped-def]
         return [(r, r) for r in range(self._size())]
 
     def __len__(self) -> int:
         return self._size()
 
-    def __iter__(self):  # type: ignore[no-untyped-def,override]
+    def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(range(self._size()))
 
 
@@ -300,8 +300,9 @@ class ProcessGroup(BaseProcessGroup):
     def _collective(self, op: str, args: tuple[Any, ...], post: Post = None) -> dist.Work:
         raise NotImplementedError(f"{type(self).__name__} does not implement {op}")
 
-    def _avg(self, opts: Any, outputs: Sequence[torch.Tensor], op: str,
-             only_rank: int | None = None) -> tuple[Any, Post]:
+    def _avg(
+        self, opts: Any, outputs: Sequence[torch.Tensor], op: str, only_rank: int | None = None
+    ) -> tuple[Any, Post]:
         """Turn an AVG into SUM + division when the backend lacks AVG."""
         if self._native_avg() or _reduce_op(opts.reduceOp) != _AVG:
             return opts, None
@@ -377,18 +378,23 @@ class ProcessGroup(BaseProcessGroup):
             opts = c10d.AllgatherOptions()
         return self._collective("allgather", (output_tensors, input_tensor, opts))
 
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
-                          opts: Any = None) -> dist.Work:
+    def all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> dist.Work:
         """All-gather into one flat output tensor (``all_gather_into_tensor``)."""
-        return self._collective("all_gather_single",
-                                (output, input, opts or c10d.AllgatherOptions()))
+        return self._collective(
+            "all_gather_single", (output, input, opts or c10d.AllgatherOptions())
+        )
 
     _allgather_base = all_gather_single
 
-    def allgather_coalesced(self, output_lists: Any, input_list: Any, opts: Any = None) -> dist.Work:
+    def allgather_coalesced(
+        self, output_lists: Any, input_list: Any, opts: Any = None
+    ) -> dist.Work:
         """Coalesced list all-gather."""
-        return self._collective("allgather_coalesced",
-                                (output_lists, input_list, opts or c10d.AllgatherOptions()))
+        return self._collective(
+            "allgather_coalesced", (output_lists, input_list, opts or c10d.AllgatherOptions())
+        )
 
     def all_gather_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> dist.Work:
         """Several ``all_gather_into_tensor`` calls as one operation."""
@@ -411,14 +417,17 @@ class ProcessGroup(BaseProcessGroup):
         self._check_peer(opts.rootRank, "scatter root")
         return self._collective("scatter", (output_tensors, input_tensors, opts))
 
-    def reduce_scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> dist.Work:
+    def reduce_scatter(
+        self, output_tensors: Any, input_tensors: Any, opts: Any = None
+    ) -> dist.Work:
         """Reduce, then scatter a list of inputs."""
         opts = opts or c10d.ReduceScatterOptions()
         opts, post = self._avg(opts, _as_list(output_tensors, "reduce_scatter"), "reduce_scatter")
         return self._collective("reduce_scatter", (output_tensors, input_tensors, opts), post)
 
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
-                              opts: Any = None) -> dist.Work:
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> dist.Work:
         """Reduce-scatter one flat input (``reduce_scatter_tensor``)."""
         opts = opts or c10d.ReduceScatterOptions()
         opts, post = self._avg(opts, [output], "reduce_scatter_tensor")
@@ -426,33 +435,47 @@ class ProcessGroup(BaseProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single
 
-    def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> dist.Work:
+    def reduce_scatter_single_coalesced(
+        self, outputs: Any, inputs: Any, opts: Any = None
+    ) -> dist.Work:
         """Several ``reduce_scatter_tensor`` calls as one operation."""
         opts = opts or c10d.ReduceScatterOptions()
         opts, post = self._avg(opts, list(outputs), "reduce_scatter_tensor")
         return self._collective_many(
-            "reduce_scatter_single", [(o, i, opts) for o, i in zip(outputs, inputs, strict=True)],
+            "reduce_scatter_single",
+            [(o, i, opts) for o, i in zip(outputs, inputs, strict=True)],
             post,
         )
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
-                          output_split_sizes: list[int], input_split_sizes: list[int],
-                          opts: Any = None) -> dist.Work:
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> dist.Work:
         """``all_to_all_single`` with optional split sizes."""
         return self._collective(
             "all_to_all_single",
-            (output, input, list(output_split_sizes), list(input_split_sizes),
-             opts or c10d.AllToAllOptions()),
+            (
+                output,
+                input,
+                list(output_split_sizes),
+                list(input_split_sizes),
+                opts or c10d.AllToAllOptions(),
+            ),
         )
 
     alltoall_base = all_to_all_single
 
     def alltoall(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> dist.Work:
         """List all-to-all."""
-        return self._collective("alltoall", (output_tensors, input_tensors,
-                                             opts or c10d.AllToAllOptions()))
+        return self._collective(
+            "alltoall", (output_tensors, input_tensors, opts or c10d.AllToAllOptions())
+        )
 
     def send(self, tensors: Any, dst_rank: int, tag: int = 0) -> dist.Work:
         """Send ``tensors`` to ``dst_rank``."""
@@ -472,12 +495,15 @@ class ProcessGroup(BaseProcessGroup):
         """Block until every rank arrives."""
         return self._collective("barrier", (opts or c10d.BarrierOptions(),))
 
-    def monitored_barrier(self, timeout: timedelta | None = None,
-                          wait_all_ranks: bool = False) -> None:
+    def monitored_barrier(
+        self, timeout: timedelta | None = None, wait_all_ranks: bool = False
+    ) -> None:
         """A barrier that names the ranks that did not arrive (Gloo only)."""
         self._collective("monitored_barrier", (timeout or timedelta(seconds=60), wait_all_ranks))
 
-    def _collective_many(self, op: str, calls: list[tuple[Any, ...]], post: Post = None) -> dist.Work:
+    def _collective_many(
+        self, op: str, calls: list[tuple[Any, ...]], post: Post = None
+    ) -> dist.Work:
         """Run one op per argument tuple and return a Work for all of them."""
         raise NotImplementedError(f"{type(self).__name__} does not implement coalesced {op}")
 

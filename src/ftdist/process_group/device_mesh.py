@@ -9,8 +9,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from ftdist.process_group.base import ProcessGroup
 
 
-def extend_device_mesh(mesh: DeviceMesh, pg: ProcessGroup, name: str = "dp",
-                       dim: int = 0) -> DeviceMesh:
+def extend_device_mesh(
+    mesh: DeviceMesh, pg: ProcessGroup, name: str = "dp", dim: int = 0
+) -> DeviceMesh:
     """Return ``mesh`` with ``pg`` added as dimension ``dim`` named ``name``.
 
     DeviceMesh cannot describe a group whose size changes, so the new

@@ -64,8 +64,17 @@ class ProcessGroupDummy(ProcessGroup):
         return "ftdist-dummy"
 
     def _collective(self, op: str, args: tuple[Any, ...], post: Post = None) -> dist.Work:
-        if op in ("allgather", "all_gather_single", "allgather_coalesced", "gather", "scatter",
-                  "reduce_scatter", "reduce_scatter_single", "all_to_all_single", "alltoall"):
+        if op in (
+            "allgather",
+            "all_gather_single",
+            "allgather_coalesced",
+            "gather",
+            "scatter",
+            "reduce_scatter",
+            "reduce_scatter_single",
+            "all_to_all_single",
+            "alltoall",
+        ):
             out, inp = args[0], args[1]
             if op == "reduce_scatter":
                 inp = [lst[0] for lst in inp]
@@ -79,7 +88,9 @@ class ProcessGroupDummy(ProcessGroup):
             raise RuntimeError(f"ProcessGroupDummy has no peer to {op} with")
         return CompletedWork(args[0] if args else None)
 
-    def _collective_many(self, op: str, calls: list[tuple[Any, ...]], post: Post = None) -> dist.Work:
+    def _collective_many(
+        self, op: str, calls: list[tuple[Any, ...]], post: Post = None
+    ) -> dist.Work:
         for args in calls:
             self._collective(op, args)
         return CompletedWork([c[0] for c in calls])

@@ -17,8 +17,9 @@ from ftdist.process_group.wrapper import ProcessGroupWrapper
 class _ErrorSwallowingWork(dist._Work):
     """Reports a failure to the wrapper instead of raising it."""
 
-    def __init__(self, owner: ErrorSwallowingProcessGroupWrapper, inner: dist.Work,
-                 default: Any) -> None:
+    def __init__(
+        self, owner: ErrorSwallowingProcessGroupWrapper, inner: dist.Work, default: Any
+    ) -> None:
         super().__init__()
         self._owner = owner
         self._inner = inner
@@ -31,10 +32,10 @@ class _ErrorSwallowingWork(dist._Work):
             self._owner.report_error(exc)
         return True
 
-    def get_future(self) -> torch.futures.Future:
+    def get_future(self) -> torch.futures.Future[Any]:
         owner, default = self._owner, self._default
 
-        def swallow(fut: torch.futures.Future) -> Any:
+        def swallow(fut: torch.futures.Future[Any]) -> Any:
             try:
                 return fut.value()
             except Exception as exc:
@@ -114,7 +115,9 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
             return CompletedWork(default)
         return _ErrorSwallowingWork(self, work, default)
 
-    def _collective_many(self, op: str, calls: list[tuple[Any, ...]], post: Post = None) -> dist.Work:
+    def _collective_many(
+        self, op: str, calls: list[tuple[Any, ...]], post: Post = None
+    ) -> dist.Work:
         default = [c[0] for c in calls]
         if self._swallowed is not None:
             return CompletedWork(default)

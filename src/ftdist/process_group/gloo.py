@@ -19,8 +19,7 @@ from torch._C._distributed_c10d import ProcessGroup as BaseProcessGroup
 from ftdist.process_group.wrapper import DEFAULT_TIMEOUT, ProcessGroupWrapper
 
 
-def create_gloo_backend(store: dist.Store, rank: int, world_size: int,
-                        timeout: timedelta) -> Any:
+def create_gloo_backend(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> Any:
     """A Gloo backend built as ``torch.distributed`` builds its own.
 
     Raises:
@@ -53,7 +52,8 @@ class ProcessGroupGloo(ProcessGroupWrapper):
         return "ftdist-gloo"
 
     def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> BaseProcessGroup:
-        return create_gloo_backend(store, rank, world_size, self._timeout)
+        backend: BaseProcessGroup = create_gloo_backend(store, rank, world_size, self._timeout)
+        return backend
 
 
 __all__ = ["ProcessGroupGloo", "create_gloo_backend"]

@@ -78,7 +78,8 @@ class ManagedProcessGroup(ProcessGroupWrapper):
             op = opts.reduceOp
         else:
             op = opts
-        return self._manager.allreduce(tensors[0], reduce_op=_reduce_op(op))
+        work: dist.Work = self._manager.allreduce(tensors[0], reduce_op=_reduce_op(op))
+        return work
 
     def _collective(self, op: str, args: tuple[Any, ...], post: Post = None) -> dist.Work:
         # Other ops go to the manager's current group, whatever it is now.

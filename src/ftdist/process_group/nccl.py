@@ -25,8 +25,7 @@ from ftdist.process_group.wrapper import DEFAULT_TIMEOUT, ProcessGroupWrapper
 logger = logging.getLogger(__name__)
 
 
-def create_nccl_backend(store: dist.Store, rank: int, world_size: int,
-                        timeout: timedelta) -> Any:
+def create_nccl_backend(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> Any:
     """An NCCL backend, connected eagerly on the current CUDA device.
 
     Connecting eagerly keeps NCCL's communicator init out of the first
@@ -63,8 +62,9 @@ class ProcessGroupNCCL(ProcessGroupWrapper):
         RuntimeError: at configure, if CUDA or NCCL is unavailable.
     """
 
-    def __init__(self, pg: BaseProcessGroup | None = None,
-                 timeout: timedelta | float = DEFAULT_TIMEOUT) -> None:
+    def __init__(
+        self, pg: BaseProcessGroup | None = None, timeout: timedelta | float = DEFAULT_TIMEOUT
+    ) -> None:
         super().__init__(pg=pg, timeout=timeout)
 
     def getBackendName(self) -> str:
@@ -75,7 +75,8 @@ class ProcessGroupNCCL(ProcessGroupWrapper):
         return True
 
     def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> BaseProcessGroup:
-        return create_nccl_backend(store, rank, world_size, self._timeout)
+        backend: BaseProcessGroup = create_nccl_backend(store, rank, world_size, self._timeout)
+        return backend
 
     def _wrap(self, work: Any, gen: Generation, op: str, post: Post) -> dist.Work:
         return _NCCLWork(work, gen, op, post)

@@ -35,11 +35,22 @@ WAIT_MARGIN = timedelta(seconds=2)
 # the work goes on and a later wait sees its result. Point-to-point works
 # (and Gloo's reduce_scatter) must be waited exactly once, so they are
 # watched from a thread instead.
-SLICED_WAIT_OPS = frozenset({
-    "allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather",
-    "all_gather_single", "allgather_coalesced", "gather", "scatter", "all_to_all_single",
-    "alltoall", "barrier",
-})
+SLICED_WAIT_OPS = frozenset(
+    {
+        "allreduce",
+        "allreduce_coalesced",
+        "broadcast",
+        "reduce",
+        "allgather",
+        "all_gather_single",
+        "allgather_coalesced",
+        "gather",
+        "scatter",
+        "all_to_all_single",
+        "alltoall",
+        "barrier",
+    }
+)
 # How often a sliced wait looks for an abort: the bound on abort latency.
 WAIT_SLICE = timedelta(milliseconds=50)
 
@@ -55,9 +66,9 @@ def _seconds(timeout: timedelta | float | None) -> float | None:
     return secs if secs > 0 else None
 
 
-def completed_future(value: Any) -> torch.futures.Future:
+def completed_future(value: Any) -> torch.futures.Future[Any]:
     """A future that is already done with ``value``."""
-    fut: torch.futures.Future = torch.futures.Future()
+    fut: torch.futures.Future[Any] = torch.futures.Future()
     fut.set_result(value)
     return fut
 
@@ -86,7 +97,7 @@ class CompletedWork(dist._Work):
     def result(self) -> Any:
         return self._result
 
-    def get_future(self) -> torch.futures.Future:
+    def get_future(self) -> torch.futures.Future[Any]:
         return self._fut
 
 
@@ -107,7 +118,7 @@ class WorkList:
                 w.wait(timeout)
         return True
 
-    def get_future(self) -> torch.futures.Future:
+    def get_future(self) -> torch.futures.Future[Any]:
         return torch.futures.collect_all([w.get_future() for w in self._works])
 
     def exception(self) -> Any:
@@ -127,7 +138,6 @@ class WorkList:
             w.synchronize()
 
 
-
 class Generation:
     """One lifetime of a backend; aborting it fails all of its in-flight work.
 
@@ -136,8 +146,7 @@ class Generation:
         timeout: the backend's collective timeout; waits give up after it plus
             :data:`WAIT_MARGIN` even if the backend never reports.
 
-    Raises:
-        Nothing; :meth:`abort` hands its error to the waiters.
+    :meth:`abort` hands its error to the waiters.
     """
 
     def __init__(self, description: str, timeout: timedelta) -> None:
@@ -183,6 +192,7 @@ def on_complete(inner: Any, callback: Callable[[Any, BaseException | None], None
     try:
         fut = inner.get_future()
     except RuntimeError:
+
         def waiter() -> None:
             try:
                 inner.wait()
@@ -195,7 +205,7 @@ def on_complete(inner: Any, callback: Callable[[Any, BaseException | None], None
         threading.Thread(target=waiter, name="ftdist-work-wait", daemon=True).start()
         return
 
-    def done(f: torch.futures.Future) -> None:
+    def done(f: torch.futures.Future[Any]) -> None:
         try:
             value = f.value()
         except Exception as exc:
@@ -210,7 +220,7 @@ class _SettableOnce:
     """A torch future that only the first of several racing producers completes."""
 
     def __init__(self) -> None:
-        self.fut: torch.futures.Future = torch.futures.Future()
+        self.fut: torch.futures.Future[Any] = torch.futures.Future()
         self._lock = threading.Lock()
         self._set = False
 
@@ -371,7 +381,7 @@ class FtWork(dist._Work):
         self._run_post()
         return True
 
-    def get_future(self) -> torch.futures.Future:
+    def get_future(self) -> torch.futures.Future[Any]:
         """A future that completes with the backend's result, or fails on abort."""
         with self._lock:
             if self._future is None:

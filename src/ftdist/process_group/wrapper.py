@@ -89,12 +89,14 @@ class ProcessGroupWrapper(ProcessGroup):
         TypeError: ``pg`` is not a ``torch.distributed.ProcessGroup``.
     """
 
-    def __init__(self, pg: BaseProcessGroup | None = None,
-                 timeout: timedelta | float = DEFAULT_TIMEOUT) -> None:
+    def __init__(
+        self, pg: BaseProcessGroup | None = None, timeout: timedelta | float = DEFAULT_TIMEOUT
+    ) -> None:
         super().__init__()
         if pg is not None and not isinstance(pg, (BaseProcessGroup, c10d.Backend)):
-            raise TypeError(f"pg must be a torch.distributed.ProcessGroup (or Backend), got "
-                            f"{type(pg).__name__}")
+            raise TypeError(
+                f"pg must be a torch.distributed.ProcessGroup (or Backend), got {type(pg).__name__}"
+            )
         self._timeout = as_timedelta(timeout, "timeout")
         self._pg: Any = pg
         self._gen: Generation | None = None
@@ -130,7 +132,8 @@ class ProcessGroupWrapper(ProcessGroup):
                 f"{type(self).__name__} is not configured: call configure(store_addr, rank, "
                 "world_size) before running collectives"
             )
-        return pg
+        parent: BaseProcessGroup = pg
+        return parent
 
     def _describe(self) -> str:
         return f"{self.getBackendName()} group (rank {self._rank} of {self._world_size})"
@@ -167,8 +170,10 @@ class ProcessGroupWrapper(ProcessGroup):
                 self._set_topology(rank, world_size)
                 return
             if self._static:
-                raise TypeError("this wrapper wraps a plain torch group, which cannot be "
-                                "reconfigured; wrap an ftdist ProcessGroup instead")
+                raise TypeError(
+                    "this wrapper wraps a plain torch group, which cannot be "
+                    "reconfigured; wrap an ftdist ProcessGroup instead"
+                )
             self._teardown("reconfigured")
             self._set_topology(rank, world_size)
             try:
@@ -237,7 +242,8 @@ class ProcessGroupWrapper(ProcessGroup):
     def _collective(self, op: str, args: tuple[Any, ...], post: Post = None) -> dist.Work:
         pg = self.parent
         if isinstance(pg, ProcessGroup):
-            return getattr(pg, op)(*args)
+            work: dist.Work = getattr(pg, op)(*args)
+            return work
         gen = self._gen
         assert gen is not None
         if gen.error is not None:
@@ -251,7 +257,9 @@ class ProcessGroupWrapper(ProcessGroup):
             return CompletedWork(None)
         return self._wrap(work, gen, op, post)
 
-    def _collective_many(self, op: str, calls: list[tuple[Any, ...]], post: Post = None) -> dist.Work:
+    def _collective_many(
+        self, op: str, calls: list[tuple[Any, ...]], post: Post = None
+    ) -> dist.Work:
         pg = self.parent
         if isinstance(pg, ProcessGroup):
             return pg._collective_many(op, calls, post)
