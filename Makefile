@@ -1,20 +1,24 @@
-# Quick start: `make demo` runs the main job, `make test` runs the checks.
-# Both build .venv on first use: CPU torch from the local wheel (never a CUDA
-# download), then ftdist editable with its dev extra.
+# Quick start: `make demo` runs the main job, `make test` runs every check CI runs.
+# Both build .venv on first use: torch 2.13.0 (the CPU wheel; see setup below),
+# then ftdist editable with its dev extra.
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ftdist-installed
+# Extra pytest arguments, e.g. PYTEST_ARGS="-m unit" or "-k manager".
 PYTEST_ARGS ?=
+SOURCES := src tests bench examples
 
-.PHONY: setup demo test lint typecheck bench proto clean
+.PHONY: setup setup-browser demo check test pytest test-unit test-fast lint format typecheck \
+	bench proto clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# torch is installed first and pinned so that pip never resolves `torch>=2.7`
-# to the newest CUDA build from the registry.
+# torch is installed first, pinned, so that pip never resolves `torch>=2.7`
+# (a dependency of ftdist) to the newest CUDA build on the package index:
+# `pip install torch==2.13.0` takes the CPU wheel this machine keeps on disk.
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -e '.[dev]'
@@ -22,27 +26,51 @@ $(STAMP): $(PY) pyproject.toml
 
 setup: $(STAMP)
 
+# Installs Debian's chromium for the browser tier (apt-get; needs root or
+# password-less sudo). Without it the browser tests skip.
+setup-browser: setup
+	$(PY) -m tests._browser
+
 # The main job: about two minutes on a 2-core machine (a 75 s run with
 # failures, then the same job without them to compare). DEMO_ARGS adds flags.
 DEMO_ARGS ?=
 demo: setup
 	$(VENV)/bin/ftdist demo --baseline $(DEMO_ARGS)
 
+# Every check CI runs (.ci/run): lint, format, types, then the test tiers.
+check: lint typecheck pytest
+
+test: check
+
+# The tests alone: every tier (unit, integration, slow; browser when
+# Chromium is installed; gpu when CUDA is); about 5 minutes on 2 cores.
+pytest: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-unit: setup
+	$(PY) -m pytest -m unit $(PYTEST_ARGS)
+
+# Everything but the slow and browser tiers: a quick loop while editing.
+test-fast: setup
+	$(PY) -m pytest -m "not slow and not browser" $(PYTEST_ARGS)
+
 lint: setup
-	$(VENV)/bin/ruff check src tests bench examples
+	$(VENV)/bin/ruff check $(SOURCES)
+	$(VENV)/bin/ruff format --check $(SOURCES)
+
+format: setup
+	$(VENV)/bin/ruff format $(SOURCES)
+	$(VENV)/bin/ruff check --fix $(SOURCES)
 
 typecheck: setup
 	$(VENV)/bin/mypy
-
-test: lint
-	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) bench/process_group.py
 	$(PY) bench/lighthouse.py
 	$(PY) bench/recovery.py
 
-# Regenerates the committed protobuf modules from coordination/proto.
+# Regenerates the committed protobuf modules from src/ftdist/_rpc/proto.
 proto: setup
 	$(PY) -m grpc_tools.protoc -I src/ftdist/_rpc/proto \
 		--python_out=src/ftdist/_rpc/_proto \

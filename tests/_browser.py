@@ -1,8 +1,9 @@
-"""Headless Chromium for browser tests, installed with apt-get when missing.
+"""Headless Chromium for the browser tests.
 
-:func:`ensure_chromium` finds a browser, or installs Debian's ``chromium``
-package (as root, or through password-less ``sudo``), and otherwise says why
-not. :class:`Chromium` runs it once per page with the plain command line
+The tests only look for a browser (:func:`find_chromium`) and skip without
+one; ``make setup-browser`` (``python -m tests._browser``) installs Debian's
+``chromium`` package with :func:`ensure_chromium` (as root, or through
+password-less ``sudo``), or says why it could not. :class:`Chromium` runs it once per page with the plain command line
 (``--dump-dom``, ``--screenshot``), so the tests need no browser-driver
 package, and kills every process a run started before returning.
 """
@@ -397,3 +398,17 @@ def parse_dom(page: str) -> Element:
     builder.feed(page)
     builder.close()
     return builder.root
+
+
+def main() -> int:
+    """``python -m tests._browser``: install Chromium for the browser tests if missing."""
+    path, why_not = ensure_chromium()
+    if path is None:
+        print(f"setup-browser: {why_not}")
+        return 1
+    print(f"setup-browser: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

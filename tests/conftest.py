@@ -1,15 +1,21 @@
-"""Shared fixtures: every test is checked for leaked threads and child processes."""
+"""Shared fixtures and the test tiers.
+
+Every test is checked for leaked threads and child processes, and marked
+with its tier from its folder (``unit``, ``integration``, ``gpu``); ``slow``
+and ``browser`` are marked by hand. One fixture family starts lighthouses:
+``lh`` (any number, any settings) and ``lighthouse`` (the address of one).
+"""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
 from tests._procs import children
+from tests.integration.lighthouse_helpers import Lighthouses
 
 # Threads that belong to the interpreter or to libraries for the whole
 # session, not to one test.
@@ -64,25 +70,28 @@ def no_leaks() -> Iterator[None]:
 
 
 @pytest.fixture
-def lighthouse_factory() -> Iterator[Any]:
-    """Start real lighthouses on 127.0.0.1 port 0; all are shut down after the test."""
-    from ftdist.coordination import LighthouseServer
-
-    servers: list[Any] = []
-
-    def start(min_replicas: int = 1, join_timeout_ms: int = 200, **kwargs: Any) -> Any:
-        server = LighthouseServer(
-            bind="127.0.0.1:0", min_replicas=min_replicas, join_timeout_ms=join_timeout_ms, **kwargs
-        )
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.shutdown()
+def lh() -> Iterator[Lighthouses]:
+    """Lighthouses and clients started on demand on 127.0.0.1 port 0; all closed after the test."""
+    lighthouses = Lighthouses()
+    try:
+        yield lighthouses
+    finally:
+        lighthouses.close()
 
 
 @pytest.fixture
-def lighthouse(lighthouse_factory: Any) -> str:
+def lighthouse(lh: Lighthouses) -> str:
     """The address of a lighthouse that forms quorums of one or more replica groups."""
-    return str(lighthouse_factory(heartbeat_timeout_ms=1000).address())
+    return str(lh.server(heartbeat_timeout_ms=1000, join_timeout_ms=200).address())
+
+
+_TIERS = {"unit": "unit", "integration": "integration", "gpu": "gpu"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test with its tier, from the folder it lives in."""
+    for item in items:
+        parts = item.path.parts
+        tier = next((_TIERS[p] for p in reversed(parts) if p in _TIERS), None)
+        if tier is not None:
+            item.add_marker(tier)

@@ -2,7 +2,7 @@
 One check per ``torch.distributed`` function, run over an ftdist group.
 
 Each check calls the public torch API with ``group=pg`` and asserts the
-values it gets (inputs are ``rank + 1``), so "works" in the README's table
+values it gets (inputs are ``rank + 1``), so "works" in the compatibility table
 means "gives the right answer", not "did not raise". The table test and the
 per-kind collective tests both run these.
 """

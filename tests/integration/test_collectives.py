@@ -1,7 +1,8 @@
 """Every torch.distributed function over ftdist groups, in real processes over Gloo.
 
-Also produces the README's compatibility table, so the table cannot drift:
-run with ``FTDIST_UPDATE_README=1`` to rewrite it after a deliberate change.
+Also produces the compatibility table in ``docs/compatibility.md``, so the
+table cannot drift: run with ``FTDIST_UPDATE_DOCS=1`` to rewrite it after a
+deliberate change.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 from ftdist.launch.ranks import RankContext, run_ranks
 from tests.integration.collective_checks import CHECKS, first_line
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+TABLE_DOC = Path(__file__).resolve().parents[2] / "docs" / "compatibility.md"
 START, END = "<!-- compat-table:start -->", "<!-- compat-table:end -->"
 KINDS = ("gloo", "baby-gloo")
 
@@ -100,9 +101,9 @@ def _table(outcomes: dict[str, list[dict[str, str | None]]]) -> str:
 @pytest.mark.timeout(300)
 def test_readme_table_matches(outcomes) -> None:
     table = _table(outcomes)
-    text = README.read_text()
+    text = TABLE_DOC.read_text()
     block = f"{START}\n{table}\n{END}"
-    if os.environ.get("FTDIST_UPDATE_README") == "1":
+    if os.environ.get("FTDIST_UPDATE_DOCS") == "1":
         text = re.sub(re.escape(START) + ".*?" + re.escape(END), block, text, flags=re.S)
-        README.write_text(text)
-    assert block in text, f"README's compatibility table is stale; it should read:\n{table}"
+        TABLE_DOC.write_text(text)
+    assert block in text, f"docs/compatibility.md's table is stale; it should read:\n{table}"

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from tests._procs import processes_with
+from tests.integration.lighthouse_helpers import Lighthouses
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -148,8 +149,8 @@ def test_ctrl_c_stops_everything_and_still_reports(demo: Any) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_baseline_on_an_existing_lighthouse(demo: Any, lighthouse_factory: Any) -> None:
-    server = lighthouse_factory(heartbeat_timeout_ms=2000, join_timeout_ms=100)
+def test_baseline_on_an_existing_lighthouse(demo: Any, lh: Lighthouses) -> None:
+    server = lh.server(heartbeat_timeout_ms=2000, join_timeout_ms=100)
     run = demo(
         "--no-failures",
         "--baseline",
@@ -207,7 +208,7 @@ def test_no_replica_outlives_a_killed_demo(demo: Any) -> None:
 
 @pytest.mark.timeout(120)
 def test_a_replica_late_for_the_last_steps_still_ends_identical(
-    tmp_path: Path, lighthouse_factory: Any
+    tmp_path: Path, lh: Lighthouses
 ) -> None:
     """A replica hung while the others reach the stop step heals to it afterwards.
 
@@ -218,7 +219,7 @@ def test_a_replica_late_for_the_last_steps_still_ends_identical(
     from ftdist.demo.worker import STOP_KEY, WorkerConfig, replica_main
     from ftdist.launch.ranks import Ranks
 
-    server = lighthouse_factory(min_replicas=2, heartbeat_timeout_ms=1000, join_timeout_ms=100)
+    server = lh.server(min_replicas=2, heartbeat_timeout_ms=1000, join_timeout_ms=100)
     events = tmp_path / "events"
     events.mkdir()
     cfg = WorkerConfig(

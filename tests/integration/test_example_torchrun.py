@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from tests._procs import processes_with
+from tests.integration.lighthouse_helpers import Lighthouses
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -52,12 +53,10 @@ def _kill_all(procs: list[subprocess.Popen[Any]], tag: str) -> None:
         proc.wait(timeout=30)
 
 
-def test_two_replica_groups_of_two_ranks_end_bit_identical(
-    lighthouse_factory: Any, tmp_path: Path
-) -> None:
+def test_two_replica_groups_of_two_ranks_end_bit_identical(lh: Lighthouses, tmp_path: Path) -> None:
     # min_replicas=2: both groups take every step together, so a group that
     # starts late cannot make the other train (and finish) alone.
-    lighthouse = lighthouse_factory(min_replicas=2)
+    lighthouse = lh.server(min_replicas=2, join_timeout_ms=200)
     tag = uuid.uuid4().hex
     procs: list[subprocess.Popen[Any]] = []
     logs: list[tuple[Path, Path]] = []

@@ -8,15 +8,14 @@ import pytest
 
 from ftdist.launch.ranks import run_ranks
 from tests.integration.ft_training import train
+from tests.integration.lighthouse_helpers import Lighthouses
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("group_size", [1, 2])
-def test_replicas_train_in_lockstep_and_end_bit_identical(
-    lighthouse_factory: Any, group_size: int
-) -> None:
+def test_replicas_train_in_lockstep_and_end_bit_identical(lh: Lighthouses, group_size: int) -> None:
     # min_replicas=2: neither replica may run ahead alone.
-    lighthouse = lighthouse_factory(min_replicas=2).address()
+    lighthouse = lh.server(min_replicas=2, join_timeout_ms=200).address()
     results = run_ranks(train, 2 * group_size, lighthouse, group_size, 8, timeout=100)
     assert_consistent(results, 8, complete=True)
     # init_sync: whichever replica was not the primary healed from it.
@@ -27,8 +26,8 @@ def test_replicas_train_in_lockstep_and_end_bit_identical(
 @pytest.mark.parametrize(
     "variant", ["baby-gloo", "pg-transport", "pure-ddp", "sync-quorum", "spares"]
 )
-def test_variants_train_and_end_bit_identical(lighthouse_factory: Any, variant: str) -> None:
-    lighthouse = lighthouse_factory(min_replicas=2).address()
+def test_variants_train_and_end_bit_identical(lh: Lighthouses, variant: str) -> None:
+    lighthouse = lh.server(min_replicas=2, join_timeout_ms=200).address()
     actions: dict[str, Any] = {}
     pg_kind, transport = "gloo", "http"
     if variant == "baby-gloo":

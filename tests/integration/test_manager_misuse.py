@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch
 from ftdist.launch.ranks import RankContext, run_ranks
 from ftdist.manager import Manager
 from ftdist.process_group import ProcessGroupGloo
+from tests.integration.lighthouse_helpers import Lighthouses
 
 T = timedelta(seconds=10)
 pytestmark = pytest.mark.timeout(60)
@@ -104,9 +104,9 @@ def _no_state_fns(ctx: RankContext, lighthouse: str) -> str:
         pg.shutdown()
 
 
-def test_healing_without_state_functions_is_a_clear_error(lighthouse_factory: Any) -> None:
+def test_healing_without_state_functions_is_a_clear_error(lh: Lighthouses) -> None:
     # Two replicas at step 0 with init_sync: both must exchange state, and
     # neither registered any.
-    address = lighthouse_factory(min_replicas=2).address()
+    address = lh.server(min_replicas=2, join_timeout_ms=200).address()
     for message in run_ranks(_no_state_fns, 2, address, timeout=50):
         assert "no state_dict function is registered" in message

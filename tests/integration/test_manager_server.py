@@ -14,14 +14,15 @@ from ftdist.coordination import LighthouseServer
 from ftdist.errors import CoordinationError, CoordinationTimeoutError
 from ftdist.manager.client import ManagerClient
 from ftdist.manager.server import ManagerServer
+from tests.integration.lighthouse_helpers import Lighthouses
 
 T = timedelta(seconds=5)
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def lighthouse(lighthouse_factory: Any) -> LighthouseServer:
-    return lighthouse_factory(join_timeout_ms=100)  # type: ignore[no-any-return]
+def lighthouse(lh: Lighthouses) -> LighthouseServer:
+    return lh.server(join_timeout_ms=100)  # type: ignore[no-any-return]
 
 
 @pytest.fixture

@@ -12,11 +12,12 @@ import pytest
 from ftdist.coordination import LighthouseClient, LighthouseServer
 from ftdist.launch.ranks import Ranks
 from tests.integration.ft_training import train
+from tests.integration.lighthouse_helpers import Lighthouses
 from tests.integration.test_manager import assert_consistent
 
 
 @pytest.fixture
-def patient_lighthouse(lighthouse_factory: Any) -> str:
+def patient_lighthouse(lh: Lighthouses) -> str:
     """A lighthouse that waits for every live replica group.
 
     These tests check that each replica commits every step from where it
@@ -29,7 +30,7 @@ def patient_lighthouse(lighthouse_factory: Any) -> str:
     replica is still dropped within ~0.5 s, as soon as its failure-news
     stream closes.
     """
-    return str(lighthouse_factory(join_timeout_ms=30_000, heartbeat_timeout_ms=5_000).address())
+    return str(lh.server(join_timeout_ms=30_000, heartbeat_timeout_ms=5_000).address())
 
 
 def _wait_dead(ranks: Ranks, members: list[int], timeout: float = 60) -> None:
@@ -107,14 +108,14 @@ def _assert_gaps_healed(result: dict[str, Any]) -> None:
 
 @pytest.mark.timeout(150)
 def test_live_group_left_out_of_quorums_heals_forward_and_ends_identical(
-    lighthouse_factory: Any,
+    lh: Lighthouses,
 ) -> None:
     # Replica group 2 (two ranks) pauses between two steps while staying
     # healthy; the join timeout lets the others go on without it. When it
     # asks again, both of its ranks heal forward to the same step and every
     # group rank ends bit-identical. min_replicas=2 of 3: any two quorums
     # share a member, so no second lineage can start.
-    server = lighthouse_factory(min_replicas=2, join_timeout_ms=200, heartbeat_timeout_ms=5_000)
+    server = lh.server(min_replicas=2, join_timeout_ms=200, heartbeat_timeout_ms=5_000)
     steps = 20
     # The others wait at step 10 too, so that they cannot finish (and stop
     # forming quorums) before replica 2 is back.

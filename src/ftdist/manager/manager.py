@@ -43,8 +43,9 @@ from ftdist.errors import FtdistError, ProcessGroupAbortedError, StateDivergence
 from ftdist.manager.client import ManagerClient, ManagerClientLike
 from ftdist.manager.config import ManagerConfig
 from ftdist.manager.heal import Healer, HealTimeline, differing_parts, fingerprint
+from ftdist.manager.membership import GroupMembership
 from ftdist.manager.news import FailureNews
-from ftdist.manager.rule import QuorumResult
+from ftdist.manager.rule import QuorumResult, participation
 from ftdist.manager.state import UserState
 from ftdist.manager.work import ManagedWork
 from ftdist.process_group import ProcessGroup
@@ -203,7 +204,6 @@ class Manager:
         # Step state (see the class docstring of each accessor).
         self._step = 0
         self._batches_committed = 0
-        self._quorum_id = -1
         self._commit_failures = 0
         self._errored: ExceptionWithTraceback | None = None
         self._healing = False
@@ -211,8 +211,7 @@ class Manager:
         self._quorum_future: Future[None] | None = None
         self._participating_rank: int | None = None
         self._participating_world_size = 0
-        self._members: list[str] = []
-        self._pg_broken = False
+        self._membership = GroupMembership(pg, config.group_rank)
         self._fingerprint_due = False
         self._timeline: HealTimeline | None = None
         self.heal_timelines: list[HealTimeline] = []
@@ -293,21 +292,14 @@ class Manager:
         return self._errored
 
     def _on_member_failed(self, replica_id: str, reason: str) -> None:
-        """Failure news from the lighthouse: abort collectives that wait on the dead member.
-
-        Work still in flight fails (and so the step does not commit); work
-        that completed stays valid. The next quorum rebuilds the group.
-        """
-        if replica_id not in self._members or replica_id == self._replica_id:
-            return
-        logger.warning(
-            "%s lighthouse reports replica %s failed (%s): aborting the process group",
-            self._prefix(),
-            replica_id,
-            reason,
-        )
-        self._pg_broken = True
-        self._pg.abort()
+        """Failure news from the lighthouse: abort collectives that wait on the dead member."""
+        if self._membership.member_failed(replica_id, self._replica_id):
+            logger.warning(
+                "%s lighthouse reports replica %s failed (%s): aborted the process group",
+                self._prefix(),
+                replica_id,
+                reason,
+            )
 
     # -- the quorum --------------------------------------------------------------------
     def start_quorum(
@@ -374,23 +366,19 @@ class Manager:
             self.report_error(StateDivergenceError(quorum.divergence))
             # Keep comparing until the replicas agree again.
             self._fingerprint_due = True
-        self._set_participation(quorum, allow_heal)
-        reconfigure_s = 0.0
-        if quorum.quorum_id != self._quorum_id or self._pg_broken:
-            start = time.perf_counter()
-            self._quorum_id = quorum.quorum_id
-            self._members = list(quorum.replica_ids)
-            store = (
-                f"{quorum.store_address}/ftdist/{quorum.quorum_id}-{quorum.created_ns}/"
-                f"{self._group_rank}"
-            )
-            try:
-                self._pg.configure(store, quorum.replica_rank, quorum.replica_world_size)
-            except Exception as exc:
-                self.report_error(exc)
-                return
-            self._pg_broken = False
-            reconfigure_s = time.perf_counter() - start
+        self._participating_rank, self._participating_world_size = participation(
+            quorum,
+            async_quorum=self._use_async_quorum,
+            allow_heal=allow_heal,
+            fixed_with_spares=self._world_size_mode == WorldSizeMode.FIXED_WITH_SPARES,
+            min_replica_size=self._min_replica_size,
+        )
+        try:
+            reconfigure_s = self._membership.follow(quorum)
+        except Exception as exc:
+            self.report_error(exc)
+            return
+        if reconfigure_s is not None:
             logger.info(
                 "%s reconfigured for quorum %d: %d replica groups %s",
                 self._prefix(),
@@ -401,6 +389,7 @@ class Manager:
             # Replicas that just (re)joined must agree on their state: compare
             # fingerprints at the next quorum.
             self._fingerprint_due = True
+        reconfigure_s = reconfigure_s or 0.0
         if not allow_heal:
             return
         needs_state = quorum.heal or bool(quorum.recover_dst_replica_ranks)
@@ -419,17 +408,6 @@ class Manager:
                 self._receive_state(quorum, quorum_s, reconfigure_s)
         except Exception as exc:
             self.report_error(exc)
-
-    def _set_participation(self, quorum: QuorumResult, allow_heal: bool) -> None:
-        if self._use_async_quorum or not allow_heal:
-            rank, world = quorum.max_replica_rank, quorum.max_world_size
-        else:
-            rank, world = quorum.replica_rank, quorum.replica_world_size
-        if self._world_size_mode == WorldSizeMode.FIXED_WITH_SPARES:
-            world = min(world, self._min_replica_size)
-            if rank is not None and rank >= self._min_replica_size:
-                rank = None
-        self._participating_rank, self._participating_world_size = rank, world
 
     def _receive_state(self, quorum: QuorumResult, quorum_s: float, reconfigure_s: float) -> None:
         self._healing = True
@@ -525,7 +503,7 @@ class Manager:
         # An abort on failure news is not an error of this step by itself:
         # collectives it cut short reported their own errors.
         if pg_error is not None and not (
-            self._pg_broken and isinstance(pg_error, ProcessGroupAbortedError)
+            self._membership.broken and isinstance(pg_error, ProcessGroupAbortedError)
         ):
             self.report_error(pg_error)
         if self._healing:
@@ -592,7 +570,7 @@ class Manager:
 
     def quorum_id(self) -> int:
         """The id of the quorum the process group is configured for (-1 before any)."""
-        return self._quorum_id
+        return self._membership.quorum_id
 
     def _prefix(self) -> str:
         return f"[{getattr(self, '_replica_id', '?')}/{self._group_rank} - step {self._step}]"

@@ -176,3 +176,33 @@ def find_divergence(members: Sequence[_HasData]) -> str | None:
     if not problems:
         return None
     return "replica state diverged after recovery: " + "; ".join(problems)
+
+
+def participation(
+    result: QuorumResult,
+    *,
+    async_quorum: bool,
+    allow_heal: bool,
+    fixed_with_spares: bool,
+    min_replica_size: int,
+) -> tuple[int | None, int]:
+    """This replica's rank among the step's participants, and their number.
+
+    With an asynchronous quorum (or no healing) only the up-to-date replicas
+    count: one that heals during the step contributes zeros. With spares,
+    only the first ``min_replica_size`` of them take part; the others are
+    hot spares.
+
+    Returns:
+        ``(participating_rank, participating_world_size)``; the rank is None
+        when this replica does not take part.
+    """
+    if async_quorum or not allow_heal:
+        rank, world = result.max_replica_rank, result.max_world_size
+    else:
+        rank, world = result.replica_rank, result.replica_world_size
+    if fixed_with_spares:
+        world = min(world, min_replica_size)
+        if rank is not None and rank >= min_replica_size:
+            rank = None
+    return rank, world
