@@ -213,7 +213,7 @@ def check_group_of_one(g: GroupCoordinator) -> None:
 def check_argument_errors(g: GroupCoordinator) -> None:
     """Misuse raises a clear error on every rank, before communicating (the group stays in step)."""
     ws, x = g.world_size, torch.ones(2, 3)
-    with pytest.raises(TypeError, match="torch.Tensor"):
+    with pytest.raises(TypeError, match=r"torch\.Tensor"):
         g.all_reduce([1, 2])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"Invalid dim \(3\)"):
         g.all_gather(x, dim=3)
@@ -235,7 +235,7 @@ def check_argument_errors(g: GroupCoordinator) -> None:
         g.reduce_scatterv(torch.ones(5), dim=0, sizes=[1] * ws)
     with pytest.raises(TypeError, match="list"):
         g.broadcast_object_list("abc")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="nn.Module"):
+    with pytest.raises(TypeError, match=r"nn\.Module"):
         g.prepare_communication_buffer_for_model("model")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="GroupCoordinator"):
         g.send_tensor_dict({}, all_gather_group="tp")  # type: ignore[arg-type]
