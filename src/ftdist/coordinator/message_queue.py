@@ -813,19 +813,24 @@ class MessageQueue:
         _int_arg("writer_rank", writer_rank, 0)
         if writer_rank >= size:
             raise ValueError(f"writer_rank ({writer_rank}) is not a rank of a group of size {size}")
+        if external_writer_handle is not None and not isinstance(external_writer_handle, Handle):
+            raise TypeError("external_writer_handle must be a MessageQueue Handle, got "
+                            f"{type(external_writer_handle).__name__}")
         forced = set(remote_reader_ranks)
+        # Only the writer rank knows whether the writer is external, so every
+        # rank takes the same steps and learns it with the handle.
+        same_node = in_the_same_node_as(pg, source_rank=writer_rank)
         objs: list[Any] = [None]
         mq: MessageQueue | None = None
-        if external_writer_handle is None:
-            same_node = in_the_same_node_as(pg, source_rank=writer_rank)
-            if rank == writer_rank:
+        if rank == writer_rank:
+            if external_writer_handle is not None:
+                objs[0] = external_writer_handle
+            else:
                 local = [r for r in range(size)
                          if r != writer_rank and same_node[r] and r not in forced]
                 mq = MessageQueue(size - 1, len(local), local, max_chunk_bytes, max_chunks,
                                   connect_ip, writer_rank=writer_rank)
                 objs[0] = mq.export_handle()
-        elif rank == writer_rank:
-            objs[0] = external_writer_handle
         try:
             dist.broadcast_object_list(objs, group=pg, group_src=writer_rank)
         except BaseException:
