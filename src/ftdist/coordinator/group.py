@@ -28,16 +28,17 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import functools
 import pickle
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from ftdist.coordinator import ops
+from ftdist.coordinator import failures, ops
 from ftdist.coordinator.communicator import (
     DeviceCommunicator,
     check_group_rank,
@@ -61,6 +62,7 @@ from ftdist.coordinator.tensor_dict import (
     split_tensor_dict,
     uses_all_gather,
 )
+from ftdist.errors import CommunicationError
 
 # The coordinator's broadcaster: 4 MiB chunks, 6 of them (vLLM's choice).
 MQ_CHUNK_BYTES = 1 << 22
@@ -72,6 +74,25 @@ class GraphCaptureContext:
     """The stream a CUDA graph is captured on; ``stream`` is None without CUDA."""
 
     stream: Any
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _reports_failures(fn: F) -> F:
+    """Post a communication failure of this method as failure news (ftdist groups)."""
+
+    @functools.wraps(fn)
+    def wrapper(self: GroupCoordinator, *args: Any, **kwargs: Any) -> Any:
+        if self._watch is None or torch.compiler.is_compiling():
+            return fn(self, *args, **kwargs)
+        try:
+            return fn(self, *args, **kwargs)
+        except CommunicationError as exc:
+            self._watch.report(f"{self.unique_name} (rank {self.rank}) {fn.__name__}: {exc}")
+            raise
+
+    return wrapper  # type: ignore[return-value]
 
 
 def _device_for(backend: str, local_rank: int) -> torch.device:
@@ -139,6 +160,7 @@ class GroupCoordinator:
         self.use_cpu_custom_send_recv = False
         self.device_communicator: DeviceCommunicator | None = None
         self.mq_broadcaster: MessageQueue | None = None
+        self._watch: failures.FailureWatch | None = None
         self._ft: FtBackend | None
         if isinstance(torch_distributed_backend, FtBackend):
             spec = torch_distributed_backend
@@ -155,6 +177,8 @@ class GroupCoordinator:
                 self.device_group.shutdown()
                 self.cpu_group.shutdown()
                 raise
+            if spec.failure_news:
+                self._watch = failures.watch(spec.store_addr, spec.timeout, self)
         elif isinstance(torch_distributed_backend, str):
             self._ft = None
             self.backend = str(torch_distributed_backend)
@@ -242,6 +266,7 @@ class GroupCoordinator:
         return check_group_rank(src, self.world_size, what)
 
     # -- tensor collectives ---------------------------------------------------------
+    @_reports_failures
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
         """The sum of ``input_`` over the group; use the return value.
 
@@ -260,6 +285,7 @@ class GroupCoordinator:
             return torch.ops.ftdist.all_reduce(input_, group_name=self.unique_name)
         return self._all_reduce_out_place(input_)
 
+    @_reports_failures
     def _all_reduce_out_place(self, input_: torch.Tensor) -> torch.Tensor:
         """All-reduce through the device communicator (what the custom op runs).
 
@@ -268,6 +294,7 @@ class GroupCoordinator:
         """
         return self._communicator().all_reduce(input_)
 
+    @_reports_failures
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's ``input_`` concatenated along ``dim``, in rank order.
 
@@ -284,6 +311,7 @@ class GroupCoordinator:
                                                group_name=self.unique_name)
         return self._all_gather_out_place(input_, dim)
 
+    @_reports_failures
     def _all_gather_out_place(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
         """All-gather through the device communicator (what the custom op runs).
 
@@ -292,6 +320,7 @@ class GroupCoordinator:
         """
         return self._communicator().all_gather(input_, dim)
 
+    @_reports_failures
     def all_gatherv(self, input_: torch.Tensor | list[torch.Tensor], dim: int = 0,
                     sizes: list[int] | None = None) -> torch.Tensor | list[torch.Tensor]:
         """All-gather where rank ``r`` contributes ``sizes[r]`` rows along ``dim``.
@@ -309,6 +338,7 @@ class GroupCoordinator:
             check_tensor(input_)
         return dc.all_gatherv(input_, dim, sizes)
 
+    @_reports_failures
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Sum over the group and keep this rank's equal chunk along ``dim``.
 
@@ -329,6 +359,7 @@ class GroupCoordinator:
                                                    group_name=self.unique_name)
         return self._reduce_scatter_out_place(input_, dim)
 
+    @_reports_failures
     def _reduce_scatter_out_place(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
         """Reduce-scatter through the device communicator (what the custom op runs).
 
@@ -337,6 +368,7 @@ class GroupCoordinator:
         """
         return self._communicator().reduce_scatter(input_, dim)
 
+    @_reports_failures
     def reduce_scatterv(self, input_: torch.Tensor, dim: int = -1,
                         sizes: list[int] | None = None) -> torch.Tensor:
         """Reduce-scatter where rank ``r`` keeps ``sizes[r]`` rows along ``dim``.
@@ -348,6 +380,7 @@ class GroupCoordinator:
         dc = self._communicator()
         return dc.reduce_scatterv(check_tensor(input_), dim, sizes)
 
+    @_reports_failures
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """Every rank's ``input_`` concatenated along ``dim`` on ``dst``; None on the others.
 
@@ -364,6 +397,7 @@ class GroupCoordinator:
         normalize_dim(input_, dim)
         return self._communicator().gather(input_, dst, dim)
 
+    @_reports_failures
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Broadcast ``input_`` in place from ``src`` (a rank in the group); returns it.
 
@@ -379,6 +413,7 @@ class GroupCoordinator:
         return input_
 
     # -- objects -------------------------------------------------------------------
+    @_reports_failures
     def broadcast_object(self, obj: Any | None = None, src: int = 0) -> Any:
         """Broadcast a picklable object from ``src``; every rank returns it.
 
@@ -403,6 +438,7 @@ class GroupCoordinator:
         dist.broadcast_object_list(objs, group=self.cpu_group, group_src=src)
         return objs[0]
 
+    @_reports_failures
     def broadcast_object_list(self, obj_list: list[Any], src: int = 0,
                               group: Any = None) -> list[Any]:
         """Fill ``obj_list`` in place with ``src``'s list (same length everywhere); returns it.
@@ -430,6 +466,7 @@ class GroupCoordinator:
                              "rank")
         return int(peer)
 
+    @_reports_failures
     def send_object(self, obj: Any, dst: int) -> None:
         """Send a picklable object to ``dst`` (a rank in the group) over the CPU group.
 
@@ -442,6 +479,7 @@ class GroupCoordinator:
         dist.send(size, group=self.cpu_group, group_dst=dst)
         dist.send(payload, group=self.cpu_group, group_dst=dst)
 
+    @_reports_failures
     def recv_object(self, src: int) -> Any:
         """Receive an object sent with :meth:`send_object` by ``src``.
 
@@ -459,6 +497,7 @@ class GroupCoordinator:
         return pickle.loads(payload.numpy().tobytes())
 
     # -- point to point tensors ---------------------------------------------------------
+    @_reports_failures
     def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
         """Send ``tensor`` to ``dst`` (default: the next rank in the group), blocking.
 
@@ -469,6 +508,7 @@ class GroupCoordinator:
         dc = self._communicator()
         dc.send(check_tensor(tensor, "tensor"), dst)
 
+    @_reports_failures
     def recv(self, size: Any, dtype: torch.dtype, src: int | None = None) -> torch.Tensor:
         """Receive a tensor of ``size`` and ``dtype`` from ``src`` (default: the previous rank).
 
@@ -481,6 +521,7 @@ class GroupCoordinator:
     def _tensor_group(self, tensor: torch.Tensor) -> Any:
         return self.cpu_group if tensor.is_cpu else self.device_group
 
+    @_reports_failures
     def broadcast_tensor_dict(self, tensor_dict: dict[Any, Any] | None = None, src: int = 0,
                               group: Any = None, metadata_group: Any = None
                               ) -> dict[Any, Any] | None:
@@ -536,6 +577,7 @@ class GroupCoordinator:
                             f"got {type(all_gather_group).__name__}")
         return all_gather_group.world_size, all_gather_group.rank_in_group
 
+    @_reports_failures
     def send_tensor_dict(self, tensor_dict: dict[Any, Any], dst: int | None = None,
                          all_gather_group: GroupCoordinator | None = None,
                          all_gather_tensors: Mapping[Any, bool] | None = None
@@ -577,6 +619,7 @@ class GroupCoordinator:
             dist.send(tensor.contiguous(), group=self._tensor_group(tensor), group_dst=dst)
         return None
 
+    @_reports_failures
     def recv_tensor_dict(self, src: int | None = None,
                          all_gather_group: GroupCoordinator | None = None,
                          all_gather_tensors: Mapping[Any, bool] | None = None
@@ -619,6 +662,7 @@ class GroupCoordinator:
         return out
 
     # -- synchronisation and broadcasters -------------------------------------------------
+    @_reports_failures
     def barrier(self) -> None:
         """Wait until every member arrives (on the CPU group, never the device group)."""
         dist.barrier(group=self.cpu_group)
@@ -757,6 +801,10 @@ class GroupCoordinator:
             raise RuntimeError(f"group {self.unique_name} is destroyed")
         new_ranks = check_group_ranks([ranks])[0]
         own_group([new_ranks], self.rank)
+        if self._watch is not None:
+            # News of the failure being repaired must not abort the new groups.
+            failures.unwatch(self._watch, self)
+            self._watch = None
         if self.mq_broadcaster is not None:
             self.mq_broadcaster.shutdown()
             self.mq_broadcaster = None
@@ -767,6 +815,8 @@ class GroupCoordinator:
                             new_ranks, self.rank)
         self._set_members(new_ranks)
         self._build_communication()
+        if self._ft.failure_news:
+            self._watch = failures.watch(store_addr, self._ft.timeout, self)
 
     def destroy(self) -> None:
         """Release the groups, the communicator and the queue; safe to call twice.
@@ -777,6 +827,9 @@ class GroupCoordinator:
         if self.destroyed:
             return
         self.destroyed = True
+        if self._watch is not None:
+            failures.unwatch(self._watch, self)
+            self._watch = None
         if self.mq_broadcaster is not None:
             self.mq_broadcaster.shutdown()
             self.mq_broadcaster = None

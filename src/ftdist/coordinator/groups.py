@@ -65,6 +65,10 @@ class FtBackend:
             ``"baby-gloo"`` or ``"baby-nccl"``. The CPU group is always Gloo.
         timeout: the groups' collective timeout; a dead or stopped peer
             makes an operation fail within it.
+        failure_news: post a failure that one coordinator sees to the
+            store and abort every coordinator watching it, so survivors
+            that wait on each other fail at once too (see
+            :mod:`ftdist.coordinator.failures`).
 
     Raises:
         ValueError: a malformed ``store_addr``, an unknown ``device`` or a
@@ -76,6 +80,7 @@ class FtBackend:
     rank: int
     device: str = "gloo"
     timeout: timedelta = field(default=timedelta(seconds=60))
+    failure_news: bool = True
 
     def __post_init__(self) -> None:
         parse_store_addr(self.store_addr)

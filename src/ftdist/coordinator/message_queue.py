@@ -100,6 +100,13 @@ class PeerGoneError(CommunicationError):
         self.ranks = list(ranks)
 
 
+class QueueShutdownError(CommunicationError):
+    """The queue was shut down (by :meth:`MessageQueue.shutdown` or an abort).
+
+    A ``RuntimeError``, as vLLM's "cancelled" error is.
+    """
+
+
 @dataclass
 class Handle:
     """What a reader needs to join a queue; picklable, sent over the job's process group.
@@ -475,7 +482,8 @@ class MessageQueue:
                 dies is still detected).
 
         Raises:
-            RuntimeError: not the writer, or the queue was shut down.
+            RuntimeError: not the writer.
+            QueueShutdownError: the queue was shut down (a ``RuntimeError``).
             ValueError: a frame of the pickled object exceeds ``max_message_bytes``.
             PeerGoneError: a reader is gone; the queue stays unusable.
             CollectiveTimeoutError: no room within ``timeout`` (a reader is
@@ -555,7 +563,8 @@ class MessageQueue:
                 logged however long the call waits.
 
         Raises:
-            RuntimeError: not a reader, or the queue was (or got) shut down.
+            RuntimeError: not a reader.
+            QueueShutdownError: the queue was (or got) shut down (a ``RuntimeError``).
             CollectiveTimeoutError: nothing arrived within ``timeout`` (a
                 ``TimeoutError``); the queue stays usable.
             PeerGoneError: the writer is gone.
@@ -706,7 +715,7 @@ class MessageQueue:
 
     def _check_shutdown(self) -> None:
         if self._shutdown.is_set():
-            raise RuntimeError(f"message queue ({self._role()}) was shut down (cancelled)")
+            raise QueueShutdownError(f"message queue ({self._role()}) was shut down (cancelled)")
 
     @contextlib.contextmanager
     def _op(self) -> Iterator[None]:
@@ -951,6 +960,7 @@ __all__ = [
     "Handle",
     "MessageQueue",
     "PeerGoneError",
+    "QueueShutdownError",
     "default_ip",
     "group_rank_and_size",
     "in_the_same_node_as",
