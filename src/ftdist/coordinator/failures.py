@@ -57,10 +57,11 @@ class FailureWatch:
 
     def __init__(self, store_addr: str, timeout: timedelta) -> None:
         self.store_addr = store_addr
-        # Its own connections: a TCPStore client runs one request at a time,
-        # and the groups' rendezvous must not queue behind the poller.
-        self._poll_store = create_store_client(store_addr, timeout)
-        self._post_store = create_store_client(store_addr, timeout)
+        # A connection of its own, so the groups' rendezvous never queues
+        # behind the poller; one for both polling and posting, because every
+        # new connection to a store costs (and some hosts stall on them).
+        self._store = create_store_client(store_addr, timeout)
+        self._store_lock = threading.Lock()
         self._members: weakref.WeakSet[Any] = weakref.WeakSet()
         self._stop = threading.Event()
         self.news: str | None = None
@@ -71,9 +72,10 @@ class FailureWatch:
     def _run(self) -> None:
         while not self._stop.wait(POLL_INTERVAL_S):
             try:
-                if not self._poll_store.check([FAILURE_KEY]):
-                    continue
-                news = self._poll_store.get(FAILURE_KEY).decode(errors="replace")
+                with self._store_lock:
+                    if not self._store.check([FAILURE_KEY]):
+                        continue
+                    news = self._store.get(FAILURE_KEY).decode(errors="replace")
             except Exception:
                 if self._stop.is_set():
                     return
@@ -97,7 +99,8 @@ class FailureWatch:
     def report(self, reason: str) -> None:
         """Post failure news (first poster wins; later posts are dropped)."""
         try:
-            self._post_store.compare_set(FAILURE_KEY, "", reason)
+            with self._store_lock:
+                self._store.compare_set(FAILURE_KEY, "", reason)
         except Exception:
             logger.warning("could not post failure news at %s", self.store_addr, exc_info=True)
 

@@ -540,9 +540,10 @@ class MessageQueue:
         return self._gone_error("while the writer waited for them") if self._gone else None
 
     def _send(self, sock: zmq.Socket[Any], frames: Sequence[Any], deadline: float | None) -> None:
-        # The pickle is immutable bytes (no copy); out-of-band buffers are the
-        # caller's memory, which may change once enqueue returns, so zmq copies them.
-        parts = [zmq.Frame(f, copy=i != 0 or not isinstance(f, bytes)) for i, f in enumerate(frames)]
+        # Copied into zmq messages: out-of-band buffers are the caller's memory,
+        # which may change once enqueue returns, and zero-copy sends would
+        # start pyzmq's process-wide garbage-collector thread.
+        parts = [zmq.Frame(f, copy=True) for f in frames]
         while True:
             try:
                 sock.send_multipart(parts, flags=zmq.NOBLOCK)
