@@ -44,10 +44,12 @@ def check_tensor_collectives(g: GroupCoordinator) -> None:
     members, r, ws = g.ranks, g.rank_in_group, g.world_size
 
     x = torch.arange(8, dtype=torch.float32) * (g.rank + 1)
+    want = sum(torch.arange(8, dtype=torch.float32) * (m + 1) for m in members)
+    eq(g.all_reduce(x.clone()), want, "all_reduce")
+    eq(g.all_reduce(x[::2]), want[::2], "all_reduce of a non-contiguous view")
     before = x.clone()
-    got = g.all_reduce(x)
-    eq(got, sum(torch.arange(8, dtype=torch.float32) * (m + 1) for m in members), "all_reduce")
-    eq(x, before, "all_reduce leaves its input alone")
+    eq(g._all_reduce_out_place(x), want, "_all_reduce_out_place")
+    eq(x, before, "_all_reduce_out_place leaves its input alone")
 
     for dim in (0, 1, 2, -1, -2):
         got = g.all_gather(inp(g.rank, (2, 3, 4)), dim=dim)

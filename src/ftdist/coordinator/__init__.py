@@ -24,8 +24,10 @@ Invariants:
 - **Group ranks.** ``src``/``dst`` arguments are ranks within the group
   (0..world_size-1); ``ranks``, ``first_rank``, ``next_rank``, ... are
   global ranks.
-- **Out of place.** ``all_reduce``, ``all_gather``, ``reduce_scatter`` and
-  their ``v`` forms return new tensors; use the return value.
+- **Use the return value.** ``all_gather``, ``reduce_scatter`` and their
+  ``v`` forms return new tensors; ``all_reduce`` may reduce in place (as
+  vLLM's CPU path does) and returns the result; the custom ops, which
+  compiled code runs, are out of place.
 - **No silent hangs.** Misuse raises ``TypeError``/``ValueError`` before
   any communication; a dead peer makes a waiting call raise (ftdist groups
   and the message queue detect it; torch groups time out).

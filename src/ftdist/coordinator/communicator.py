@@ -13,7 +13,9 @@ Invariants:
 - Every peer is named by its rank *in the group* (``group_src=``/
   ``group_dst=``), so the same code serves torch groups and ftdist groups
   (which are their own rank space).
-- Every result is a new tensor; the input is never modified.
+- ``all_reduce`` sums in place into a contiguous ``input_`` and returns it
+  (callers use the return value, as in vLLM); every other result is a new
+  tensor and leaves its input alone.
 - ``all_gather`` and ``gather`` equal ``torch.cat`` of the ranks' inputs in
   rank order; ``reduce_scatter`` keeps chunk ``rank_in_group`` of the sum,
   for every ``dim`` of every rank (vLLM permutes the wrong axes for
@@ -121,8 +123,12 @@ class DeviceCommunicator:
 
     # -- reductions -------------------------------------------------------------
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
-        """The sum of ``input_`` over the group, as a new tensor."""
-        out = input_.clone()
+        """The sum of ``input_`` over the group, computed in ``input_`` if it is contiguous.
+
+        A fresh output per call would cost a page fault per page of it, which
+        on some hosts costs more than the reduction itself.
+        """
+        out = input_ if input_.is_contiguous() else input_.contiguous()
         dist.all_reduce(out, group=self.device_group)
         return out
 

@@ -270,9 +270,11 @@ class GroupCoordinator:
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
         """The sum of ``input_`` over the group; use the return value.
 
-        It is out of place (``input_`` is left as it is), and under
-        ``torch.compile`` it runs as ``torch.ops.ftdist.all_reduce``. A group
-        of one returns ``input_`` itself.
+        As in vLLM, callers must rely on neither ``input_`` being modified nor
+        it staying the same: in eager mode the sum is computed in place in a
+        contiguous ``input_`` (vLLM's CPU path does the same), and under
+        ``torch.compile`` it runs as the out-of-place custom op
+        ``torch.ops.ftdist.all_reduce``. A group of one returns ``input_``.
 
         Raises:
             TypeError: ``input_`` is not a tensor.
@@ -283,16 +285,16 @@ class GroupCoordinator:
             return input_
         if torch.compiler.is_compiling():
             return torch.ops.ftdist.all_reduce(input_, group_name=self.unique_name)
-        return self._all_reduce_out_place(input_)
+        return self._communicator().all_reduce(input_)
 
     @_reports_failures
     def _all_reduce_out_place(self, input_: torch.Tensor) -> torch.Tensor:
-        """All-reduce through the device communicator (what the custom op runs).
+        """The sum over the group as a new tensor; ``input_`` is left alone (what the op runs).
 
         Raises:
             ValueError: no device communicator.
         """
-        return self._communicator().all_reduce(input_)
+        return self._communicator().all_reduce(input_.clone())
 
     @_reports_failures
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:

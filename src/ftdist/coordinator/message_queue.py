@@ -576,34 +576,47 @@ class MessageQueue:
         with self._op():
             deadline = None if timeout is None else time.monotonic() + timeout
             if self._is_local_reader:
-                frames = self._read_chunk(deadline, indefinite)
-                if frames is None:
-                    # The chunk was an overflow marker and is released: the
-                    # stream cannot resume if its message does not arrive.
-                    try:
-                        frames = self._recv(None if deadline is None else
-                                            max(0.0, deadline - time.monotonic()),
-                                            "an overflow message", indefinite)
-                    except Exception as exc:
-                        self._broken = exc
-                        raise
+                found, obj = self._read_chunk(deadline, indefinite)
+                if found:
+                    return obj
+                # The chunk was an overflow marker and is released: the
+                # stream cannot resume if its message does not arrive.
+                try:
+                    frames = self._recv(None if deadline is None else
+                                        max(0.0, deadline - time.monotonic()),
+                                        "an overflow message", indefinite)
+                except Exception as exc:
+                    self._broken = exc
+                    raise
             else:
                 frames = self._recv(timeout, "the next message", indefinite)
             return _deserialize(frames)
 
-    def _read_chunk(self, deadline: float | None, quiet: bool) -> list[bytearray] | None:
+    def _read_chunk(self, deadline: float | None, quiet: bool) -> tuple[bool, Any]:
+        """``(True, obj)`` for an inline chunk; ``(False, None)`` for an overflow marker."""
         buf, reader, idx = self.buffer, self.local_reader_rank, self.current_idx
         assert buf is not None
         self._wait(lambda: buf.readable(idx, reader), deadline,
                    lambda: "the next message", self._writer_failure, quiet)
         chunk = buf.data(idx)
         try:
-            frames = read_frames(chunk) if chunk_kind(chunk) == INLINE else None
+            if chunk_kind(chunk) != INLINE:
+                found, obj = False, None
+            else:
+                # Unpickled straight from shared memory (it copies what it
+                # reads) before the chunk is released; only out-of-band
+                # buffers, which objects would alias, are copied out.
+                frames = read_frames(chunk, copy_first=False)
+                try:
+                    found, obj = True, _deserialize(frames)
+                finally:
+                    frames[0].release()
+                    del frames
         finally:
-            del chunk
+            chunk.release()
         buf.mark_read(idx, reader)
         self.current_idx = (idx + 1) % buf.max_chunks
-        return frames
+        return found, obj
 
     def _recv(self, timeout: float | None, what: str, quiet: bool = False) -> list[Any]:
         sock = self._sub

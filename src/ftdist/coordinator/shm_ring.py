@@ -33,6 +33,7 @@ import threading
 import uuid
 from collections.abc import Sequence
 from multiprocessing.shared_memory import SharedMemory
+from typing import Any
 
 # Chunk kinds (the first byte of a chunk).
 INLINE = 0
@@ -263,12 +264,14 @@ def chunk_kind(chunk: memoryview) -> int:
     return int(kind)
 
 
-def read_frames(chunk: memoryview) -> list[bytearray]:
-    """Copy the frames of an inline chunk out of shared memory.
+def read_frames(chunk: memoryview, copy_first: bool = True) -> list[Any]:
+    """The frames of an inline chunk, copied out of shared memory.
 
     They are copied because the chunk is reused as soon as it is released,
     and objects unpickled from out-of-band buffers (numpy arrays) would
-    otherwise alias it.
+    otherwise alias it. With ``copy_first=False`` the first frame (the
+    pickle) is a view into ``chunk`` instead, for a caller that unpickles it
+    and releases the view before it releases the chunk.
 
     Raises:
         ValueError: a length runs past the chunk.
@@ -286,7 +289,8 @@ def read_frames(chunk: memoryview) -> list[bytearray]:
         pos += _LENGTH.size
         if n > size - pos:
             raise ValueError(f"corrupt message queue chunk: frame {i} of {n} bytes past the end")
-        frames.append(bytearray(chunk[pos:pos + n]))
+        view = chunk[pos:pos + n]
+        frames.append(view if i == 0 and not copy_first else bytearray(view))
         pos += n
     return frames
 
