@@ -53,8 +53,9 @@ from ftdist.coordinator.message_queue import (
     Handle,
     MessageQueue,
     PeerGoneError,
-    in_the_same_node_as,
+    QueueShutdownError,
 )
+from ftdist.coordinator.mq_group import in_the_same_node_as
 from ftdist.coordinator.ops import lookup_group
 from ftdist.coordinator.parallel_state import (
     broadcast_tensor_dict,
@@ -92,6 +93,7 @@ __all__ = [
     "Handle",
     "MessageQueue",
     "PeerGoneError",
+    "QueueShutdownError",
     "ShmRingBuffer",
     "TensorMetadata",
     "broadcast_tensor_dict",

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ftdist.coordinator import failures, ops
+from ftdist.coordinator import tensor_dict as tensor_dict_ops
 from ftdist.coordinator.communicator import (
     DeviceCommunicator,
     check_group_rank,
@@ -55,13 +56,6 @@ from ftdist.coordinator.groups import (
     require_torch_distributed,
 )
 from ftdist.coordinator.message_queue import Handle, MessageQueue
-from ftdist.coordinator.tensor_dict import (
-    TensorMetadata,
-    check_metadata_list,
-    slice_for,
-    split_tensor_dict,
-    uses_all_gather,
-)
 from ftdist.errors import CommunicationError
 
 # The coordinator's broadcaster: 4 MiB chunks, 6 of them (vLLM's choice).
@@ -519,10 +513,7 @@ class GroupCoordinator:
         """
         return self._communicator().recv(size, dtype, src)
 
-    # -- tensor dictionaries -------------------------------------------------------------
-    def _tensor_group(self, tensor: torch.Tensor) -> Any:
-        return self.cpu_group if tensor.is_cpu else self.device_group
-
+    # -- tensor dictionaries (the transport is in tensor_dict.py) ---------------------------
     @_reports_failures
     def broadcast_tensor_dict(self, tensor_dict: dict[Any, Any] | None = None, src: int = 0,
                               group: Any = None, metadata_group: Any = None
@@ -541,43 +532,7 @@ class GroupCoordinator:
         self._src(src)
         if self.world_size == 1 or (self._ft is None and not dist.is_initialized()):
             return tensor_dict
-        works = []
-        if self.rank_in_group == src:
-            if not isinstance(tensor_dict, dict):
-                raise TypeError(f"Expecting a dictionary, got {type(tensor_dict).__name__}")
-            metadata_list, tensor_list = split_tensor_dict(tensor_dict)
-            self.broadcast_object(metadata_list, src=src)
-            for tensor in tensor_list:
-                if tensor.numel() == 0:
-                    continue
-                works.append(dist.broadcast(tensor.contiguous(), group=self._tensor_group(tensor),
-                                            group_src=src, async_op=True))
-            for work in works:
-                work.wait()
-            return tensor_dict
-        metadata_list = check_metadata_list(self.broadcast_object(None, src=src),
-                                            f"rank {src}")
-        out: dict[Any, Any] = {}
-        for key, value in metadata_list:
-            if isinstance(value, TensorMetadata):
-                tensor = torch.empty(value.size, dtype=value.dtype, device=value.device)
-                if tensor.numel():
-                    works.append(dist.broadcast(tensor, group=self._tensor_group(tensor),
-                                                group_src=src, async_op=True))
-                out[key] = tensor
-            else:
-                out[key] = value
-        for work in works:
-            work.wait()
-        return out
-
-    def _all_gather_args(self, all_gather_group: Any) -> tuple[int, int]:
-        if all_gather_group is None:
-            return 1, 0
-        if not isinstance(all_gather_group, GroupCoordinator):
-            raise TypeError("all_gather_group must be a GroupCoordinator (e.g. get_tp_group()), "
-                            f"got {type(all_gather_group).__name__}")
-        return all_gather_group.world_size, all_gather_group.rank_in_group
+        return tensor_dict_ops.broadcast(self, tensor_dict, src)
 
     @_reports_failures
     def send_tensor_dict(self, tensor_dict: dict[Any, Any], dst: int | None = None,
@@ -605,20 +560,8 @@ class GroupCoordinator:
         if dst is None:
             dst = (self.rank_in_group + 1) % self.world_size
         self._check_peer(dst, "dst")
-        ag_size, ag_rank = self._all_gather_args(all_gather_group)
-        metadata_list, tensor_list = split_tensor_dict(tensor_dict)
-        self.send_object(metadata_list, dst=dst)
-        tensors = iter(tensor_list)
-        for key, value in metadata_list:
-            if not isinstance(value, TensorMetadata):
-                continue
-            tensor = next(tensors)
-            if tensor.numel() == 0:
-                continue
-            if uses_all_gather(key, tensor, ag_size, all_gather_tensors,
-                               all_gather_group is not None):
-                tensor = slice_for(tensor, ag_size, ag_rank)
-            dist.send(tensor.contiguous(), group=self._tensor_group(tensor), group_dst=dst)
+        tensor_dict_ops.send(self, tensor_dict, dst, self._all_gather_args(all_gather_group),
+                             all_gather_tensors)
         return None
 
     @_reports_failures
@@ -640,28 +583,16 @@ class GroupCoordinator:
         if src is None:
             src = (self.rank_in_group - 1) % self.world_size
         self._check_peer(src, "src")
-        ag_size, ag_rank = self._all_gather_args(all_gather_group)
-        metadata_list = check_metadata_list(self.recv_object(src=src), f"rank {src}")
-        out: dict[Any, Any] = {}
-        for key, value in metadata_list:
-            if not isinstance(value, TensorMetadata):
-                out[key] = value
-                continue
-            tensor = torch.empty(value.size, dtype=value.dtype, device=value.device)
-            if tensor.numel() == 0:
-                out[key] = tensor
-                continue
-            group = self._tensor_group(tensor)
-            if uses_all_gather(key, tensor, ag_size, all_gather_tensors,
-                               all_gather_group is not None):
-                assert all_gather_group is not None
-                part = slice_for(tensor, ag_size, ag_rank)
-                dist.recv(part, group=group, group_src=src)
-                tensor = all_gather_group.all_gather(part, dim=0).reshape(value.size)
-            else:
-                dist.recv(tensor, group=group, group_src=src)
-            out[key] = tensor
-        return out
+        self._all_gather_args(all_gather_group)
+        return tensor_dict_ops.recv(self, src, all_gather_group, all_gather_tensors)
+
+    def _all_gather_args(self, all_gather_group: Any) -> tuple[int, int] | None:
+        if all_gather_group is None:
+            return None
+        if not isinstance(all_gather_group, GroupCoordinator):
+            raise TypeError("all_gather_group must be a GroupCoordinator (e.g. get_tp_group()), "
+                            f"got {type(all_gather_group).__name__}")
+        return all_gather_group.world_size, all_gather_group.rank_in_group
 
     # -- synchronisation and broadcasters -------------------------------------------------
     @_reports_failures

@@ -48,18 +48,14 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
-from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
-import torch
-import torch.distributed as dist
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ftdist.coordinator.shm_ring import (
     INLINE,
     ShmRingBuffer,
-    attach_shm,
     chunk_kind,
     frames_size,
     mark_overflow,
@@ -832,43 +828,11 @@ class MessageQueue:
             TypeError: ``pg`` is not a process group.
             CollectiveTimeoutError, PeerGoneError: from the handshake.
         """
-        rank, size = group_rank_and_size(pg)
-        _int_arg("writer_rank", writer_rank, 0)
-        if writer_rank >= size:
-            raise ValueError(f"writer_rank ({writer_rank}) is not a rank of a group of size {size}")
-        if external_writer_handle is not None and not isinstance(external_writer_handle, Handle):
-            raise TypeError("external_writer_handle must be a MessageQueue Handle, got "
-                            f"{type(external_writer_handle).__name__}")
-        forced = set(remote_reader_ranks)
-        # Only the writer rank knows whether the writer is external, so every
-        # rank takes the same steps and learns it with the handle.
-        same_node = in_the_same_node_as(pg, source_rank=writer_rank)
-        objs: list[Any] = [None]
-        mq: MessageQueue | None = None
-        if rank == writer_rank:
-            if external_writer_handle is not None:
-                objs[0] = external_writer_handle
-            else:
-                local = [r for r in range(size)
-                         if r != writer_rank and same_node[r] and r not in forced]
-                mq = MessageQueue(size - 1, len(local), local, max_chunk_bytes, max_chunks,
-                                  connect_ip, writer_rank=writer_rank)
-                objs[0] = mq.export_handle()
-        try:
-            dist.broadcast_object_list(objs, group=pg, group_src=writer_rank)
-        except BaseException:
-            if mq is not None:
-                mq.shutdown()
-            raise
-        if mq is None:
-            mq = MessageQueue.create_from_handle(objs[0], rank)
-        if blocking:
-            try:
-                mq.wait_until_ready(timeout)
-            except BaseException:
-                mq.shutdown()
-                raise
-        return mq
+        from ftdist.coordinator.mq_group import create_from_process_group
+
+        return create_from_process_group(
+            pg, max_chunk_bytes, max_chunks, writer_rank, external_writer_handle, blocking,
+            remote_reader_ranks=remote_reader_ranks, connect_ip=connect_ip, timeout=timeout)
 
     @staticmethod
     def create_from_process_group_single_reader(
@@ -892,81 +856,10 @@ class MessageQueue:
             ValueError: ``reader_rank`` is not a rank of ``pg``.
             CollectiveTimeoutError: from the handshake (``blocking=True``).
         """
-        rank, size = group_rank_and_size(pg)
-        _int_arg("reader_rank", reader_rank, 0)
-        if reader_rank >= size:
-            raise ValueError(f"reader_rank ({reader_rank}) is not a rank of a group of size {size}")
-        same_node = in_the_same_node_as(pg, source_rank=reader_rank)
-        local = [reader_rank] if same_node[rank] else []
-        mq = MessageQueue(1, len(local), local, max_chunk_bytes, max_chunks, writer_rank=rank)
-        handles: list[Any] | None = [None] * size if rank == reader_rank else None
-        try:
-            dist.gather_object(mq.export_handle(), handles, group=pg, group_dst=reader_rank)
-            if blocking:
-                mq.wait_until_ready(timeout)
-        except BaseException:
-            mq.shutdown()
-            raise
-        return mq, list(handles or [])
+        from ftdist.coordinator.mq_group import create_from_process_group_single_reader
 
-
-def group_rank_and_size(pg: Any) -> tuple[int, int]:
-    """This process's rank in ``pg`` and its size (works without a default group).
-
-    Raises:
-        TypeError: ``pg`` is not a ``torch.distributed.ProcessGroup``.
-    """
-    if not isinstance(pg, dist.ProcessGroup):
-        raise TypeError(f"expected a torch.distributed.ProcessGroup, got {type(pg).__name__}")
-    return pg.rank(), pg.size()
-
-
-def in_the_same_node_as(pg: Any, source_rank: int = 0) -> list[bool]:
-    """Which ranks of ``pg`` share a host (shared memory) with ``source_rank`` (collective).
-
-    The source creates a small shared-memory segment holding a magic string,
-    the others try to open it, and the answers are all-reduced.
-
-    Returns:
-        One bool per rank of ``pg``, in rank order (``source_rank``'s is True).
-
-    Raises:
-        ValueError: ``source_rank`` is not a rank of ``pg``.
-        TypeError: ``pg`` is not a process group.
-    """
-    rank, size = group_rank_and_size(pg)
-    _int_arg("source_rank", source_rank, 0)
-    if source_rank >= size:
-        raise ValueError(f"source_rank ({source_rank}) is not a rank of a group of size {size}")
-    magic = b"ftdist same-node probe"
-    shm: SharedMemory | None = None
-    objs: list[Any] = [None]
-    if rank == source_rank:
-        shm = SharedMemory(create=True, size=128)
-        assert shm.buf is not None
-        shm.buf[:len(magic)] = magic
-        objs[0] = shm.name
-    try:
-        dist.broadcast_object_list(objs, group=pg, group_src=source_rank)
-        same = rank == source_rank
-        if not same:
-            try:
-                peer = attach_shm(objs[0])
-            except OSError:
-                pass  # not on this host
-            else:
-                same = peer[:len(magic)] == magic
-                peer.close()
-        # The source must not unlink before everyone has looked.
-        dist.barrier(group=pg)
-    finally:
-        if shm is not None:
-            shm.close()
-            shm.unlink()
-    flags = torch.zeros(size, dtype=torch.int32)
-    flags[rank] = int(same)
-    dist.all_reduce(flags, group=pg)
-    return [bool(v) for v in flags.tolist()]
+        return create_from_process_group_single_reader(
+            pg, max_chunk_bytes, max_chunks, reader_rank, blocking, timeout=timeout)
 
 
 __all__ = [
@@ -976,6 +869,4 @@ __all__ = [
     "PeerGoneError",
     "QueueShutdownError",
     "default_ip",
-    "group_rank_and_size",
-    "in_the_same_node_as",
 ]

@@ -8,6 +8,11 @@ plain values, and each tensor's device type, dtype and shape) travels as one
 object; the receiver allocates every tensor from it and the tensors travel
 as raw collectives, never pickled.
 
+The transport itself (:func:`broadcast`, :func:`send`, :func:`recv`) runs
+for a :class:`~ftdist.coordinator.GroupCoordinator`, which has checked the
+arguments: CPU tensors travel over its CPU group and device tensors over
+its device group.
+
 Invariants: both sides walk the keys in the dict's insertion order, which
 the metadata list preserves; a tensor's device is sent as its *type*
 (``"cuda"``, never ``"cuda:3"``), so the receiver allocates on its own
@@ -20,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 
 class TensorMetadata(NamedTuple):
@@ -91,5 +97,94 @@ def slice_for(tensor: torch.Tensor, all_gather_size: int, all_gather_rank: int) 
     return tensor.reshape(all_gather_size, -1)[all_gather_rank]
 
 
-__all__ = ["TensorMetadata", "check_metadata_list", "slice_for", "split_tensor_dict",
-           "uses_all_gather"]
+def _group_for(g: Any, tensor: torch.Tensor) -> Any:
+    return g.cpu_group if tensor.is_cpu else g.device_group
+
+
+def broadcast(g: Any, tensor_dict: Any, src: int) -> dict[Any, Any]:
+    """``g.broadcast_tensor_dict`` for a group of two or more (arguments checked).
+
+    Raises:
+        TypeError: this rank is ``src`` and ``tensor_dict`` is not a dict.
+    """
+    works = []
+    if g.rank_in_group == src:
+        metadata_list, tensor_list = split_tensor_dict(tensor_dict)
+        g.broadcast_object(metadata_list, src=src)
+        for tensor in tensor_list:
+            if tensor.numel():
+                works.append(dist.broadcast(tensor.contiguous(), group=_group_for(g, tensor),
+                                            group_src=src, async_op=True))
+        for work in works:
+            work.wait()
+        return tensor_dict  # type: ignore[no-any-return]
+    metadata_list = check_metadata_list(g.broadcast_object(None, src=src), f"rank {src}")
+    out: dict[Any, Any] = {}
+    for key, value in metadata_list:
+        if isinstance(value, TensorMetadata):
+            tensor = torch.empty(value.size, dtype=value.dtype, device=value.device)
+            if tensor.numel():
+                # All posted at once: they overlap on the wire.
+                works.append(dist.broadcast(tensor, group=_group_for(g, tensor), group_src=src,
+                                            async_op=True))
+            out[key] = tensor
+        else:
+            out[key] = value
+    for work in works:
+        work.wait()
+    return out
+
+
+def send(g: Any, tensor_dict: Any, dst: int, all_gather: tuple[int, int] | None,
+         all_gather_tensors: Mapping[Any, bool] | None) -> None:
+    """``g.send_tensor_dict`` for a group of two or more (arguments checked).
+
+    ``all_gather`` is the all-gather group's ``(world_size, rank_in_group)``.
+
+    Raises:
+        TypeError: ``tensor_dict`` is not a dict.
+    """
+    ag_size, ag_rank = all_gather or (1, 0)
+    metadata_list, tensor_list = split_tensor_dict(tensor_dict)
+    g.send_object(metadata_list, dst=dst)
+    tensors = iter(tensor_list)
+    for key, value in metadata_list:
+        if not isinstance(value, TensorMetadata):
+            continue
+        tensor = next(tensors)
+        if tensor.numel() == 0:
+            continue
+        if uses_all_gather(key, tensor, ag_size, all_gather_tensors, all_gather is not None):
+            tensor = slice_for(tensor, ag_size, ag_rank)
+        dist.send(tensor.contiguous(), group=_group_for(g, tensor), group_dst=dst)
+
+
+def recv(g: Any, src: int, all_gather_group: Any,
+         all_gather_tensors: Mapping[Any, bool] | None) -> dict[Any, Any]:
+    """``g.recv_tensor_dict`` for a group of two or more (arguments checked)."""
+    ag_size = all_gather_group.world_size if all_gather_group is not None else 1
+    ag_rank = all_gather_group.rank_in_group if all_gather_group is not None else 0
+    metadata_list = check_metadata_list(g.recv_object(src=src), f"rank {src}")
+    out: dict[Any, Any] = {}
+    for key, value in metadata_list:
+        if not isinstance(value, TensorMetadata):
+            out[key] = value
+            continue
+        tensor = torch.empty(value.size, dtype=value.dtype, device=value.device)
+        if tensor.numel() == 0:
+            out[key] = tensor
+            continue
+        group = _group_for(g, tensor)
+        if uses_all_gather(key, tensor, ag_size, all_gather_tensors,
+                           all_gather_group is not None):
+            part = slice_for(tensor, ag_size, ag_rank)  # a view: received in place
+            dist.recv(part, group=group, group_src=src)
+            tensor = all_gather_group.all_gather(part, dim=0).reshape(value.size)
+        else:
+            dist.recv(tensor, group=group, group_src=src)
+        out[key] = tensor
+    return out
+
+
+__all__ = ["TensorMetadata", "broadcast", "check_metadata_list", "recv", "send", "slice_for",
+           "split_tensor_dict", "uses_all_gather"]
