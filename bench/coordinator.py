@@ -16,9 +16,9 @@ shared-memory message queue, and measure side by side, in one run:
 
 Method: the pair takes turns in rounds; in a round each side runs a batch of
 back-to-back operations followed by a barrier on a separate control group
-(so that every rank has finished), and a batch's time on rank 0's clock,
-less the round's median cost of a lone barrier, divided by its count is
-that round's time per op. The
+(so that every rank has finished; batches last long enough that the
+barrier is about 1% of them), and a batch's time on rank 0's clock divided
+by its count is that round's time per op. The
 ratio is the median over rounds of the per-round ratio, with the 10th-90th
 percentile of those ratios: this machine is shared, and rounds that run
 within milliseconds of each other see the same noise. ``--json PATH`` saves
@@ -114,18 +114,22 @@ def _check(ctx: RankContext, g: Any) -> None:
     assert g.broadcast_object(b"x" * KiB if ctx.rank == 0 else None) == b"x" * KiB
 
 
-def _batch(op: Callable[[], Any], n: int, ctl: Any, barrier_s: float = 0.0) -> float:
+def _batch(op: Callable[[], Any], n: int, ctl: Any) -> float:
     start = time.perf_counter()
     for _ in range(n):
         op()
     dist.barrier(group=ctl)
-    return max(0.0, time.perf_counter() - start - barrier_s) / n
+    return (time.perf_counter() - start) / n
 
 
-def _barrier_cost(ctl: Any) -> float:
-    """Median of a few lone barriers: what each batch's closing barrier costs."""
-    dist.barrier(group=ctl)
-    return statistics.median(_batch(lambda: None, 1, ctl) for _ in range(5))
+def _per_op_estimate(op: Callable[[], Any], ctl: Any) -> float:
+    """Time per op from batches doubled until one lasts 50 ms (the barrier then matters little)."""
+    n = 1
+    while True:
+        t = _batch(op, n, ctl) * n
+        if t > 0.05 or n >= 4096:
+            return t / n
+        n *= 2
 
 
 def _bench(ctx: RankContext, rounds: int, seconds_per_case: float) -> dict[str, Any]:
@@ -140,15 +144,16 @@ def _bench(ctx: RankContext, rounds: int, seconds_per_case: float) -> dict[str, 
     out: dict[str, Any] = {}
     for name, (coord, base) in _cases(ctx, g).items():
         # Warm-up, then size the batches from it (rank 0 decides for all).
-        warm = max(_batch(coord, 3, ctl), _batch(base, 3, ctl))
-        n = torch.tensor([max(5, min(5000, int(seconds_per_case / rounds / 2 / warm)))])
+        # Batches of the same count on both sides, sized from the slower side
+        # (rank 0 decides for all).
+        per_op = max(_per_op_estimate(coord, ctl), _per_op_estimate(base, ctl))
+        n = torch.tensor([max(3, int(seconds_per_case / rounds / 2 / per_op))])
         dist.broadcast(n, src=0, group=ctl)
         samples: dict[str, list[float]] = {"coordinator": [], "baseline": []}
         for r in range(rounds):
-            barrier_s = _barrier_cost(ctl)
             order = [("coordinator", coord), ("baseline", base)]
             for side, op in order if r % 2 == 0 else order[::-1]:
-                samples[side].append(_batch(op, int(n.item()), ctl, barrier_s))
+                samples[side].append(_batch(op, int(n.item()), ctl))
         out[name] = {"batch": int(n.item()), **samples}
     g.destroy()
     dist.destroy_process_group()

@@ -123,6 +123,20 @@ def check_objects(g: GroupCoordinator) -> None:
         assert g.recv_object(src=0) == {"hello": members[0]}
 
 
+def check_broadcasters(g: GroupCoordinator) -> None:
+    """create_mq_broadcaster with a writer other than rank 0; the same-host probe."""
+    from ftdist.coordinator import in_the_same_node_as
+
+    assert in_the_same_node_as(g.cpu_group, source_rank=g.world_size - 1) == [True] * g.world_size
+    writer = g.world_size - 1
+    mq = g.create_mq_broadcaster(writer_rank=writer)
+    for i in range(3):
+        obj = {"i": i, "from": g.ranks[writer]}
+        assert mq.broadcast_object(obj if g.rank_in_group == writer else None) == obj
+    g.barrier()
+    mq.shutdown()
+
+
 def check_point_to_point(g: GroupCoordinator) -> None:
     """send/recv along the group, default peers (prev/next), as vLLM's PP test does."""
     if not g.is_first_rank:
@@ -262,6 +276,7 @@ def run_all(g: GroupCoordinator, tp: GroupCoordinator | None = None) -> None:
         return
     check_tensor_collectives(g)
     check_objects(g)
+    check_broadcasters(g)
     check_point_to_point(g)
     check_tensor_dicts(g, tp)
     check_argument_errors(g)

@@ -239,3 +239,15 @@ def test_unique_names_count_per_base_name_and_lookup_is_weak() -> None:
     del fake
     with pytest.raises(ValueError, match="destroyed"):
         lookup_group(name)
+
+
+def test_cpu_tensors_carried_in_a_header_round_trip_any_dtype() -> None:
+    import pickle
+
+    from ftdist.coordinator.tensor_dict import CpuTensorData
+
+    for t in (torch.arange(10, dtype=torch.bfloat16), torch.tensor(3.5),
+              torch.arange(12).reshape(3, 4).t(), torch.empty(0, 3), torch.ones(300_000)):
+        back = pickle.loads(pickle.dumps(CpuTensorData.of(t), protocol=5)).to_tensor()
+        assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
+        back.add_(1)  # writable

@@ -520,10 +520,12 @@ class GroupCoordinator:
                               ) -> dict[Any, Any] | None:
         """Broadcast a dict of tensors and plain values from ``src``; every rank returns it.
 
-        The metadata goes as one object (through the message queue when
-        there is one); then every non-empty tensor is broadcast raw, all at
-        once: CPU tensors over the CPU group, device tensors over the device
-        group. ``group`` and ``metadata_group`` are ignored, as in vLLM.
+        The metadata goes as one object; then every non-empty tensor is
+        broadcast raw, all at once: CPU tensors over the CPU group, device
+        tensors over the device group. When the metadata goes through the
+        message queue (``src == 0`` on a coordinator with one), CPU tensors
+        ride inside it instead, as raw bytes through shared memory.
+        ``group`` and ``metadata_group`` are ignored, as in vLLM.
 
         Raises:
             ValueError: invalid ``src``.

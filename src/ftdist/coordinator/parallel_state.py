@@ -224,9 +224,10 @@ def init_distributed_environment(
         timeout: the collective timeout (ftdist default: 60 s).
 
     Raises:
-        ValueError: a missing init method, or an ftdist backend without an
-            explicit ``world_size`` and ``rank``; a world of another size
-            already initialised.
+        TypeError: ``backend`` is not a str.
+        ValueError: a missing init method, an unknown ftdist backend, or an
+            ftdist backend without an explicit ``world_size`` and ``rank``;
+            a world of another size already initialised.
         RuntimeError: the process group could not be initialised.
     """
     global _WORLD

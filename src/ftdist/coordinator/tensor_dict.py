@@ -6,7 +6,10 @@ Tensor dictionaries on the wire: metadata once, tensors raw
 picklable *metadata list* and the tensors themselves. The metadata (keys,
 plain values, and each tensor's device type, dtype and shape) travels as one
 object; the receiver allocates every tensor from it and the tensors travel
-as raw collectives, never pickled.
+as raw collectives. One exception: when the header of a broadcast goes
+through the coordinator's shared-memory queue, CPU tensors ride inside it as
+raw bytes (:class:`CpuTensorData`), which costs a copy through shared memory
+instead of a Gloo broadcast per tensor.
 
 The transport itself (:func:`broadcast`, :func:`send`, :func:`recv`) runs
 for a :class:`~ftdist.coordinator.GroupCoordinator`, which has checked the
@@ -34,6 +37,29 @@ class TensorMetadata(NamedTuple):
     device: str
     dtype: torch.dtype
     size: torch.Size
+
+
+class CpuTensorData(NamedTuple):
+    """A CPU tensor carried inside the header itself (its bytes as a numpy array).
+
+    Used when the header goes through a shared-memory queue: the bytes then
+    cost one copy through shared memory instead of a Gloo broadcast each.
+    Any dtype travels, as raw bytes.
+    """
+
+    dtype: torch.dtype
+    size: torch.Size
+    data: Any  # numpy.ndarray of uint8
+
+    @staticmethod
+    def of(tensor: torch.Tensor) -> CpuTensorData:
+        """Wrap a CPU tensor's bytes (a copy only if it is not contiguous)."""
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        return CpuTensorData(tensor.dtype, tensor.size(), flat.numpy())
+
+    def to_tensor(self) -> torch.Tensor:
+        """The tensor again, sharing the received (writable) bytes."""
+        return torch.from_numpy(self.data).view(self.dtype).reshape(self.size)
 
 
 def split_tensor_dict(tensor_dict: Mapping[Any, Any]
@@ -104,30 +130,48 @@ def _group_for(g: Any, tensor: torch.Tensor) -> Any:
 def broadcast(g: Any, tensor_dict: Any, src: int) -> dict[Any, Any]:
     """``g.broadcast_tensor_dict`` for a group of two or more (arguments checked).
 
+    When the header goes through ``g``'s shared-memory queue (``src == 0``),
+    CPU tensors ride inside it (:class:`CpuTensorData`); otherwise, and for
+    device tensors always, each non-empty tensor is broadcast raw over its
+    group, all posted at once.
+
     Raises:
         TypeError: this rank is ``src`` and ``tensor_dict`` is not a dict.
     """
+    inline_cpu = g.mq_broadcaster is not None and src == 0
     works = []
     if g.rank_in_group == src:
-        metadata_list, tensor_list = split_tensor_dict(tensor_dict)
-        g.broadcast_object(metadata_list, src=src)
-        for tensor in tensor_list:
+        if not isinstance(tensor_dict, dict):
+            raise TypeError(f"Expecting a dictionary, got {type(tensor_dict).__name__}")
+        header: list[tuple[Any, Any]] = []
+        raw: list[torch.Tensor] = []
+        for key, value in tensor_dict.items():
+            if not isinstance(value, torch.Tensor):
+                header.append((key, value))
+            elif inline_cpu and value.is_cpu:
+                header.append((key, CpuTensorData.of(value)))
+            else:
+                header.append((key, TensorMetadata(value.device.type, value.dtype, value.size())))
+                raw.append(value)
+        g.broadcast_object(header, src=src)
+        for tensor in raw:
             if tensor.numel():
                 works.append(dist.broadcast(tensor.contiguous(), group=_group_for(g, tensor),
                                             group_src=src, async_op=True))
         for work in works:
             work.wait()
-        return tensor_dict  # type: ignore[no-any-return]
+        return tensor_dict
     metadata_list = check_metadata_list(g.broadcast_object(None, src=src), f"rank {src}")
     out: dict[Any, Any] = {}
     for key, value in metadata_list:
         if isinstance(value, TensorMetadata):
             tensor = torch.empty(value.size, dtype=value.dtype, device=value.device)
             if tensor.numel():
-                # All posted at once: they overlap on the wire.
                 works.append(dist.broadcast(tensor, group=_group_for(g, tensor), group_src=src,
                                             async_op=True))
             out[key] = tensor
+        elif isinstance(value, CpuTensorData):
+            out[key] = value.to_tensor()
         else:
             out[key] = value
     for work in works:
@@ -186,5 +230,5 @@ def recv(g: Any, src: int, all_gather_group: Any,
     return out
 
 
-__all__ = ["TensorMetadata", "broadcast", "check_metadata_list", "recv", "send", "slice_for",
+__all__ = ["CpuTensorData", "TensorMetadata", "broadcast", "check_metadata_list", "recv", "send", "slice_for",
            "split_tensor_dict", "uses_all_gather"]
