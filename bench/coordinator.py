@@ -76,6 +76,7 @@ def _cases(ctx: RankContext, g: Any) -> dict[str, tuple[Callable[[], Any], Calla
             objs = [obj if src else None]
             dist.broadcast_object_list(objs, group=g.cpu_group, group_src=0)
             return objs[0]
+
         return run
 
     def coord_obj(obj: Any) -> Callable[[], Any]:
@@ -94,11 +95,17 @@ def _cases(ctx: RankContext, g: Any) -> dict[str, tuple[Callable[[], Any], Calla
         "broadcast_object 1 KiB": (coord_obj(small), bol(small)),
         "broadcast_object 1 MiB": (coord_obj(large), bol(large)),
         "broadcast_tensor_dict decode step": (
-            lambda: g.broadcast_tensor_dict(step if src else None, src=0), bol(step)),
-        "all_reduce 1 MiB": (lambda: g.all_reduce(a1),
-                             lambda: dist.all_reduce(a1, group=g.device_group)),
-        "all_reduce 16 MiB": (lambda: g.all_reduce(a16),
-                              lambda: dist.all_reduce(a16, group=g.device_group)),
+            lambda: g.broadcast_tensor_dict(step if src else None, src=0),
+            bol(step),
+        ),
+        "all_reduce 1 MiB": (
+            lambda: g.all_reduce(a1),
+            lambda: dist.all_reduce(a1, group=g.device_group),
+        ),
+        "all_reduce 16 MiB": (
+            lambda: g.all_reduce(a16),
+            lambda: dist.all_reduce(a16, group=g.device_group),
+        ),
         "all_gather 1 MiB/rank": (lambda: g.all_gather(gin, 0), raw_all_gather),
     }
 
@@ -107,8 +114,10 @@ def _check(ctx: RankContext, g: Any) -> None:
     """Untimed: both sides give the same answer."""
     step = _decode_step_dict(0)
     got = g.broadcast_tensor_dict(step if ctx.rank == 0 else None, src=0)
-    assert torch.equal(got["block_tables"], step["block_tables"]) and got["sampling"] == step[
-        "sampling"]
+    assert (
+        torch.equal(got["block_tables"], step["block_tables"])
+        and got["sampling"] == step["sampling"]
+    )
     x = torch.full((8,), float(ctx.rank + 1))
     assert torch.equal(g.all_reduce(x), torch.full((8,), float(sum(range(1, g.world_size + 1)))))
     assert g.broadcast_object(b"x" * KiB if ctx.rank == 0 else None) == b"x" * KiB
@@ -123,11 +132,13 @@ def _batch(op: Callable[[], Any], n: int, ctl: Any) -> float:
 
 
 def _per_op_estimate(op: Callable[[], Any], ctl: Any) -> float:
-    """Time per op from batches doubled until one lasts 50 ms (the barrier then matters little)."""
+    """Time per op from batches doubled until one lasts 50 ms on rank 0 (who decides for all)."""
     n = 1
     while True:
         t = _batch(op, n, ctl) * n
-        if t > 0.05 or n >= 4096:
+        done = torch.tensor([int(t > 0.05 or n >= 4096)])
+        dist.broadcast(done, src=0, group=ctl)  # every rank must run the same batches
+        if done.item():
             return t / n
         n *= 2
 
@@ -137,8 +148,14 @@ def _bench(ctx: RankContext, rounds: int, seconds_per_case: float) -> dict[str, 
 
     dist.init_process_group("gloo", store=ctx.store(), rank=ctx.rank, world_size=ctx.world_size)
     ranks = list(range(ctx.world_size))
-    g = GroupCoordinator([ranks], ctx.rank, "gloo", use_device_communicator=True,
-                         use_message_queue_broadcaster=True, group_name="bench")
+    g = GroupCoordinator(
+        [ranks],
+        ctx.rank,
+        "gloo",
+        use_device_communicator=True,
+        use_message_queue_broadcaster=True,
+        group_name="bench",
+    )
     ctl = dist.new_group(ranks, backend="gloo")
     _check(ctx, g)
     out: dict[str, Any] = {}
@@ -177,11 +194,15 @@ def main(argv: list[str] | None = None) -> None:
         args.rounds, args.seconds_per_case = 6, 1.0
     started = time.monotonic()
     res = run_ranks(_bench, args.ranks, args.rounds, args.seconds_per_case, timeout=1200)[0]
-    print(f"ftdist GroupCoordinator benchmark: {args.ranks} ranks on {os.cpu_count()} cores, "
-          f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"Python {sys.version.split()[0]}; {args.rounds} rounds per case")
-    print(f"{'operation':<36} {'coordinator':>13} {'baseline':>13} {'ratio':>7} "
-          f"{'p10-p90':>13}  baseline")
+    print(
+        f"ftdist GroupCoordinator benchmark: {args.ranks} ranks on {os.cpu_count()} cores, "
+        f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
+        f"Python {sys.version.split()[0]}; {args.rounds} rounds per case"
+    )
+    print(
+        f"{'operation':<36} {'coordinator':>13} {'baseline':>13} {'ratio':>7} "
+        f"{'p10-p90':>13}  baseline"
+    )
     baselines = {
         "broadcast_object": "dist.broadcast_object_list over Gloo",
         "broadcast_tensor_dict": "dist.broadcast_object_list of the dict over Gloo",
@@ -194,10 +215,14 @@ def main(argv: list[str] | None = None) -> None:
         b_us = statistics.median(s["baseline"]) * 1e6
         speed = statistics.median(ratios)
         label = baselines[name.split()[0]]
-        print(f"{name:<36} {c_us:>10.1f} us {b_us:>10.1f} us {speed:>6.2f}x "
-              f"{_pct(ratios, 0.1):>5.2f}-{_pct(ratios, 0.9):<5.2f}x  {label}")
-    print("ratio = baseline time / coordinator time per op (above 1: the coordinator is faster); "
-          f"median over rounds. Total {time.monotonic() - started:.0f} s.")
+        print(
+            f"{name:<36} {c_us:>10.1f} us {b_us:>10.1f} us {speed:>6.2f}x "
+            f"{_pct(ratios, 0.1):>5.2f}-{_pct(ratios, 0.9):<5.2f}x  {label}"
+        )
+    print(
+        "ratio = baseline time / coordinator time per op (above 1: the coordinator is faster); "
+        f"median over rounds. Total {time.monotonic() - started:.0f} s."
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -11,8 +11,10 @@ from ftdist.testing import RankContext, run_ranks
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                       reason="needs CUDA with at least 2 GPUs"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+        reason="needs CUDA with at least 2 GPUs",
+    ),
 ]
 
 
@@ -29,12 +31,17 @@ def _nccl(ctx: RankContext, mode: str) -> None:
 
     torch.cuda.set_device(ctx.rank)
     if mode == "torch":
-        dist.init_process_group("nccl", store=ctx.store(), rank=ctx.rank,
-                                world_size=ctx.world_size)
+        dist.init_process_group("nccl", store=ctx.store(), rank=ctx.rank, world_size=ctx.world_size)
         init_distributed_environment(ctx.world_size, ctx.rank, None, ctx.rank, "nccl")
     else:
-        init_distributed_environment(ctx.world_size, ctx.rank, ctx.addr("nccl"), ctx.rank,
-                                     "ftdist-nccl", timedelta(seconds=60))
+        init_distributed_environment(
+            ctx.world_size,
+            ctx.rank,
+            ctx.addr("nccl"),
+            ctx.rank,
+            "ftdist-nccl",
+            timedelta(seconds=60),
+        )
     initialize_model_parallel(2, 1)
     tp = get_tp_group()
     assert tp.device == torch.device("cuda", ctx.rank)
@@ -46,8 +53,12 @@ def _nccl(ctx: RankContext, mode: str) -> None:
     assert torch.equal(got, torch.cat([torch.zeros(2, 3), torch.ones(2, 3)], 1).to(dev))
     z = torch.ones(4, 6, 2, device=dev)
     assert torch.equal(tp.reduce_scatter(z, dim=1), torch.full((4, 3, 2), 2.0, device=dev))
-    d = {"a": torch.arange(8, device=dev, dtype=torch.float32), "b": torch.arange(16,
-         dtype=torch.int8), "c": "test", "f": torch.tensor([], device=dev)}
+    d = {
+        "a": torch.arange(8, device=dev, dtype=torch.float32),
+        "b": torch.arange(16, dtype=torch.int8),
+        "c": "test",
+        "f": torch.tensor([], device=dev),
+    }
     out = tp.broadcast_tensor_dict(d if ctx.rank == 0 else None, src=0)
     assert out is not None and out["a"].is_cuda and out["b"].is_cpu
     assert torch.equal(out["a"].cpu(), torch.arange(8, dtype=torch.float32))

@@ -19,14 +19,16 @@ from ftdist.coordinator import GroupCoordinator
 
 def inp(rank: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rank ``rank``'s input of ``shape``: distinct values per rank and position."""
-    return (torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape) + 1000 * rank
-            ).to(dtype)
+    return (torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape) + 1000 * rank).to(
+        dtype
+    )
 
 
 def eq(got: Any, want: torch.Tensor, what: str) -> None:
     assert isinstance(got, torch.Tensor), f"{what}: got {type(got).__name__}"
     assert got.shape == want.shape and got.dtype == want.dtype, (
-        f"{what}: got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {want.dtype}")
+        f"{what}: got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {want.dtype}"
+    )
     assert torch.equal(got, want), f"{what}: got {got}, want {want}"
 
 
@@ -64,30 +66,49 @@ def check_tensor_collectives(g: GroupCoordinator) -> None:
     shape4 = (2, 3, 2 * ws, 3 * ws)
     total4 = sum(inp(m, shape4) for m in members)
     for dim in (2, 3, -1):
-        eq(g.reduce_scatter(inp(g.rank, shape4), dim=dim), total4.chunk(ws, dim=dim)[r],
-           f"reduce_scatter 4-D dim {dim}")
+        eq(
+            g.reduce_scatter(inp(g.rank, shape4), dim=dim),
+            total4.chunk(ws, dim=dim)[r],
+            f"reduce_scatter 4-D dim {dim}",
+        )
 
     sizes = [i + 1 for i in range(ws)]
     got = g.all_gatherv(inp(g.rank, (sizes[r], 3)), dim=0, sizes=sizes)
     eq(got, torch.cat([inp(m, (sizes[i], 3)) for i, m in enumerate(members)]), "all_gatherv dim 0")
     got = g.all_gatherv(inp(g.rank, (2, sizes[r])), dim=1, sizes=sizes)
-    eq(got, torch.cat([inp(m, (2, sizes[i])) for i, m in enumerate(members)], 1),
-       "all_gatherv dim 1")
-    pair = g.all_gatherv([inp(g.rank, (sizes[r], 2)), inp(g.rank, (sizes[r],), torch.int64)],
-                         dim=0, sizes=sizes)
+    eq(
+        got,
+        torch.cat([inp(m, (2, sizes[i])) for i, m in enumerate(members)], 1),
+        "all_gatherv dim 1",
+    )
+    pair = g.all_gatherv(
+        [inp(g.rank, (sizes[r], 2)), inp(g.rank, (sizes[r],), torch.int64)], dim=0, sizes=sizes
+    )
     assert isinstance(pair, list) and len(pair) == 2
-    eq(pair[1], torch.cat([inp(m, (sizes[i],), torch.int64) for i, m in enumerate(members)]),
-       "all_gatherv list")
-    eq(g.all_gatherv(inp(g.rank, (2, 2))), torch.cat([inp(m, (2, 2)) for m in members]),
-       "all_gatherv sizes=None")
+    eq(
+        pair[1],
+        torch.cat([inp(m, (sizes[i],), torch.int64) for i, m in enumerate(members)]),
+        "all_gatherv list",
+    )
+    eq(
+        g.all_gatherv(inp(g.rank, (2, 2))),
+        torch.cat([inp(m, (2, 2)) for m in members]),
+        "all_gatherv sizes=None",
+    )
 
     rows = sum(sizes)
     total_v = sum(inp(m, (rows, 2)) for m in members)
-    eq(g.reduce_scatterv(inp(g.rank, (rows, 2)), dim=0, sizes=sizes),
-       total_v.split(sizes, 0)[r], "reduce_scatterv dim 0")
+    eq(
+        g.reduce_scatterv(inp(g.rank, (rows, 2)), dim=0, sizes=sizes),
+        total_v.split(sizes, 0)[r],
+        "reduce_scatterv dim 0",
+    )
     total_c = sum(inp(m, (2, rows)) for m in members)
-    eq(g.reduce_scatterv(inp(g.rank, (2, rows)), dim=-1, sizes=sizes),
-       total_c.split(sizes, 1)[r].contiguous(), "reduce_scatterv dim -1")
+    eq(
+        g.reduce_scatterv(inp(g.rank, (2, rows)), dim=-1, sizes=sizes),
+        total_c.split(sizes, 1)[r].contiguous(),
+        "reduce_scatterv dim -1",
+    )
 
     dst = ws - 1
     got = g.gather(inp(g.rank, (2, 3)), dst=dst, dim=1)
@@ -107,8 +128,10 @@ def check_objects(g: GroupCoordinator) -> None:
     members, r, ws = g.ranks, g.rank_in_group, g.world_size
     for src in range(ws):
         obj = {"from": members[src], "payload": list(range(src + 3))} if r == src else None
-        assert g.broadcast_object(obj, src=src) == {"from": members[src],
-                                                     "payload": list(range(src + 3))}
+        assert g.broadcast_object(obj, src=src) == {
+            "from": members[src],
+            "payload": list(range(src + 3)),
+        }
     big = bytes(range(256)) * 40000  # 10 MiB: larger than a queue chunk
     got = g.broadcast_object(big if r == 0 else None, src=0)
     assert got == big, "broadcast_object of an object larger than a chunk"
@@ -184,9 +207,9 @@ def check_tensor_dicts(g: GroupCoordinator, tp: GroupCoordinator | None = None) 
 
     def stage_dict(sender: int, tp_rank: int) -> dict[str, Any]:
         return {
-            "hidden": torch.arange(24, dtype=torch.float32),   # the same on every TP rank
-            "residual": torch.full((6,), float(sender)),        # differs across TP ranks
-            "odd": torch.arange(7),                              # not divisible: sent whole
+            "hidden": torch.arange(24, dtype=torch.float32),  # the same on every TP rank
+            "residual": torch.full((6,), float(sender)),  # differs across TP ranks
+            "odd": torch.arange(7),  # not divisible: sent whole
             "empty": torch.empty(0, 3),
             "step": 5,
         }
@@ -206,8 +229,7 @@ def check_group_of_one(g: GroupCoordinator) -> None:
     """vLLM's world_size == 1 conventions, exactly."""
     assert g.world_size == 1 and g.device_communicator is None
     x = torch.ones(3)
-    for got in (g.all_reduce(x), g.all_gather(x), g.reduce_scatter(x), g.gather(x),
-                g.broadcast(x)):
+    for got in (g.all_reduce(x), g.all_gather(x), g.reduce_scatter(x), g.gather(x), g.broadcast(x)):
         assert got is x
     obj, lst, d = object(), [1, 2], {"t": x}
     assert g.broadcast_object(obj) is obj
@@ -215,10 +237,15 @@ def check_group_of_one(g: GroupCoordinator) -> None:
     assert g.broadcast_tensor_dict(d) is d
     assert g.send_tensor_dict(d) is d
     assert g.recv_tensor_dict() is None
-    for call in (lambda: g.all_gatherv(x), lambda: g.reduce_scatterv(x),
-                 lambda: g.send(x), lambda: g.recv(3, torch.float32),
-                 lambda: g._all_reduce_out_place(x), lambda: g._all_gather_out_place(x, 0),
-                 lambda: g._reduce_scatter_out_place(x, 0)):
+    for call in (
+        lambda: g.all_gatherv(x),
+        lambda: g.reduce_scatterv(x),
+        lambda: g.send(x),
+        lambda: g.recv(3, torch.float32),
+        lambda: g._all_reduce_out_place(x),
+        lambda: g._all_gather_out_place(x, 0),
+        lambda: g._reduce_scatter_out_place(x, 0),
+    ):
         with pytest.raises(ValueError, match="No device communicator"):
             call()
     assert g.is_first_rank and g.is_last_rank and g.next_rank == g.prev_rank == g.rank

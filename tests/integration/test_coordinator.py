@@ -31,11 +31,17 @@ def _init(ctx: RankContext, mode: str, port: int, tp: int, pp: int) -> None:
 
     if mode == "torch":
         # backend="nccl" falls back to Gloo on a machine without NCCL, as in vLLM.
-        init_distributed_environment(ctx.world_size, ctx.rank, f"tcp://127.0.0.1:{port}",
-                                     ctx.rank, "nccl" if not torch.cuda.is_available() else "gloo")
+        init_distributed_environment(
+            ctx.world_size,
+            ctx.rank,
+            f"tcp://127.0.0.1:{port}",
+            ctx.rank,
+            "nccl" if not torch.cuda.is_available() else "gloo",
+        )
     else:
-        init_distributed_environment(ctx.world_size, ctx.rank, ctx.addr("ft"), ctx.rank,
-                                     "ftdist-gloo", timedelta(seconds=30))
+        init_distributed_environment(
+            ctx.world_size, ctx.rank, ctx.addr("ft"), ctx.rank, "ftdist-gloo", timedelta(seconds=30)
+        )
     initialize_model_parallel(tp, pp)
 
 
@@ -62,26 +68,42 @@ def _every_method(ctx: RankContext, mode: str, port: int) -> dict[str, Any]:
     tp, pp, world = get_tp_group(), get_pp_group(), get_world_group()
     assert tp.mq_broadcaster is not None and pp.mq_broadcaster is None
     assert (get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()) == (
-        2, ctx.rank % 2)
+        2,
+        ctx.rank % 2,
+    )
     checks.run_all(tp)
     checks.run_all(pp, tp=tp)
     # The world group has no device communicator (as in vLLM): CPU-side
     # operations work, tensor collectives refuse.
     checks.check_properties(world)
-    assert world.broadcast_object(f"from {world.ranks[1]}" if world.rank_in_group == 1 else None,
-                                  src=1) == "from 1"
-    checks.check_dict(world.broadcast_tensor_dict(
-        checks.vllm_dict(0) if world.rank_in_group == 0 else None), checks.vllm_dict(0), "world")
+    assert (
+        world.broadcast_object(
+            f"from {world.ranks[1]}" if world.rank_in_group == 1 else None, src=1
+        )
+        == "from 1"
+    )
+    checks.check_dict(
+        world.broadcast_tensor_dict(checks.vllm_dict(0) if world.rank_in_group == 0 else None),
+        checks.vllm_dict(0),
+        "world",
+    )
     with pytest.raises(ValueError, match="No device communicator"):
         world.all_reduce(torch.ones(2))
     x = torch.arange(8, dtype=torch.float32) * (ctx.rank + 1)
     got = tensor_model_parallel_all_reduce(x)
     tp_members = tp.ranks
-    checks.eq(got, sum(torch.arange(8, dtype=torch.float32) * (m + 1) for m in tp_members),
-              "tensor_model_parallel_all_reduce")
+    checks.eq(
+        got,
+        sum(torch.arange(8, dtype=torch.float32) * (m + 1) for m in tp_members),
+        "tensor_model_parallel_all_reduce",
+    )
     world.barrier()
-    layout = {"tp": tp.ranks, "pp": pp.ranks, "world": world.ranks, "names": [tp.unique_name,
-                                                                              pp.unique_name]}
+    layout = {
+        "tp": tp.ranks,
+        "pp": pp.ranks,
+        "world": world.ranks,
+        "names": [tp.unique_name, pp.unique_name],
+    }
     _teardown()
     return layout
 
@@ -126,10 +148,16 @@ def _custom_ops(ctx: RankContext, port: int) -> None:
     total = sum(checks.inp(m, (2, 4)) for m in members)
 
     checks.eq(torch.ops.ftdist.all_reduce(x, tp.unique_name), total, "op all_reduce")
-    checks.eq(torch.ops.ftdist.all_gather(x, 1, 2, tp.unique_name),
-              torch.cat([checks.inp(m, (2, 4)) for m in members], 1), "op all_gather")
-    checks.eq(torch.ops.ftdist.reduce_scatter(x, -1, 2, tp.unique_name),
-              total.chunk(2, -1)[tp.rank_in_group], "op reduce_scatter")
+    checks.eq(
+        torch.ops.ftdist.all_gather(x, 1, 2, tp.unique_name),
+        torch.cat([checks.inp(m, (2, 4)) for m in members], 1),
+        "op all_gather",
+    )
+    checks.eq(
+        torch.ops.ftdist.reduce_scatter(x, -1, 2, tp.unique_name),
+        total.chunk(2, -1)[tp.rank_in_group],
+        "op reduce_scatter",
+    )
 
     def step(t: torch.Tensor) -> torch.Tensor:
         g = get_tp_group()

@@ -33,8 +33,11 @@ D, H, STEPS, DIES_AT = 6, 12, 6, 3
 
 def _weights() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    return {f"{k}{b}": torch.randint(-3, 4, shape, generator=gen).double()
-            for b in range(2) for k, shape in (("A", (D, H)), ("B", (H, D)))}
+    return {
+        f"{k}{b}": torch.randint(-3, 4, shape, generator=gen).double()
+        for b in range(2)
+        for k, shape in (("A", (D, H)), ("B", (H, D)))
+    }
 
 
 def _input(step: int) -> torch.Tensor:
@@ -96,8 +99,9 @@ def _serve(ctx: RankContext) -> dict[str, Any]:
     )
     from ftdist.errors import CollectiveTimeoutError, CommunicationError
 
-    init_distributed_environment(ctx.world_size, ctx.rank, ctx.addr("epoch0"), ctx.rank,
-                                 "ftdist-gloo", timedelta(seconds=30))
+    init_distributed_environment(
+        ctx.world_size, ctx.rank, ctx.addr("epoch0"), ctx.rank, "ftdist-gloo", timedelta(seconds=30)
+    )
     initialize_model_parallel(2, 2)
     tp, pp = get_tp_group(), get_pp_group()
     w = _weights()
@@ -120,16 +124,21 @@ def _serve(ctx: RankContext) -> dict[str, Any]:
     store = ctx.store()
     store.wait(["survivors"], timedelta(seconds=60))
     survivors = [int(r) for r in store.get("survivors").decode().split(",")]
-    reconfigure_model_parallel(ctx.addr("epoch1"), survivors, tensor_model_parallel_size=3,
-                               pipeline_model_parallel_size=1)
+    reconfigure_model_parallel(
+        ctx.addr("epoch1"), survivors, tensor_model_parallel_size=3, pipeline_model_parallel_size=1
+    )
     assert (tp.world_size, tp.ranks, pp.world_size) == (3, survivors, 1)
     assert tp is get_tp_group() and pp is get_pp_group()  # the same objects, rebuilt
     assert tp.mq_broadcaster is not None  # rebuilt for the new membership
     after = {step: _step(step, w).flatten().tolist() for step in range(STEPS)}
     destroy_model_parallel()
     destroy_distributed_environment()
-    return {"before": outputs, "after": after, "failed_at": failed_at,
-            "error": f"{type(error).__name__}: {error}"}
+    return {
+        "before": outputs,
+        "after": after,
+        "failed_at": failed_at,
+        "error": f"{type(error).__name__}: {error}",
+    }
 
 
 @pytest.mark.timeout(180)

@@ -46,9 +46,15 @@ def _broadcast_arrays(ctx: RankContext, n: int, kind: str) -> dict[str, Any]:
 
     pg = _torch_group(ctx) if kind == "torch" else _ftdist_group(ctx)
     writer = 2
-    mq = MessageQueue.create_from_process_group(pg, 40 * 1024, 2, writer_rank=writer,
-                                                remote_reader_ranks=[3],
-                                                connect_ip="127.0.0.1", timeout=30)
+    mq = MessageQueue.create_from_process_group(
+        pg,
+        40 * 1024,
+        2,
+        writer_rank=writer,
+        remote_reader_ranks=[3],
+        connect_ip="127.0.0.1",
+        timeout=30,
+    )
     seed = mq.broadcast_object(random.randrange(1 << 30) if ctx.rank == writer else None)
     arrays = _arrays(n, seed)
     rng = random.Random(seed + ctx.rank)
@@ -62,8 +68,9 @@ def _broadcast_arrays(ctx: RankContext, n: int, kind: str) -> dict[str, Any]:
             checked += 1
         if rng.random() < 0.05:
             time.sleep(rng.random() * 0.002)
-    path = ("writer" if mq.is_writer else
-            "shm" if ctx.rank in mq.handle.local_reader_ranks else "tcp")
+    path = (
+        "writer" if mq.is_writer else "shm" if ctx.rank in mq.handle.local_reader_ranks else "tcp"
+    )
     dist.barrier(group=pg)  # nothing may be in flight when the writer shuts down
     mq.shutdown()
     return {"checked": checked, "path": path, "seed": seed}
@@ -83,9 +90,15 @@ def _dead_reader(ctx: RankContext, remote: bool) -> dict[str, Any]:
     from ftdist.coordinator import MessageQueue, PeerGoneError
 
     pg = _torch_group(ctx)
-    mq = MessageQueue.create_from_process_group(pg, 1024, 2, writer_rank=0,
-                                                remote_reader_ranks=[1] if remote else [],
-                                                connect_ip="127.0.0.1", timeout=30)
+    mq = MessageQueue.create_from_process_group(
+        pg,
+        1024,
+        2,
+        writer_rank=0,
+        remote_reader_ranks=[1] if remote else [],
+        connect_ip="127.0.0.1",
+        timeout=30,
+    )
     if ctx.rank == 1:
         assert mq.dequeue(timeout=30) == "first"
         os.kill(os.getpid(), signal.SIGKILL)
@@ -127,9 +140,9 @@ def _dead_writer(ctx: RankContext) -> dict[str, Any]:
     from ftdist.coordinator import MessageQueue, PeerGoneError
 
     pg = _torch_group(ctx)
-    mq = MessageQueue.create_from_process_group(pg, 1024, 2, writer_rank=0,
-                                                remote_reader_ranks=[2],
-                                                connect_ip="127.0.0.1", timeout=30)
+    mq = MessageQueue.create_from_process_group(
+        pg, 1024, 2, writer_rank=0, remote_reader_ranks=[2], connect_ip="127.0.0.1", timeout=30
+    )
     if ctx.rank == 0:
         mq.enqueue("only message")
         dist.barrier(group=pg)
@@ -195,11 +208,15 @@ def _external_writer(ctx: RankContext) -> list[Any]:
 
     pg = _torch_group(ctx)
     # A writer outside the group's roles: every rank of pg (rank 0 too) reads.
-    external = (MessageQueue(ctx.world_size, ctx.world_size, list(range(ctx.world_size)))
-                if ctx.rank == 0 else None)
+    external = (
+        MessageQueue(ctx.world_size, ctx.world_size, list(range(ctx.world_size)))
+        if ctx.rank == 0
+        else None
+    )
     handle = external.export_handle() if external is not None else None
-    mq = MessageQueue.create_from_process_group(pg, 1 << 16, 4, writer_rank=0,
-                                                external_writer_handle=handle, blocking=False)
+    mq = MessageQueue.create_from_process_group(
+        pg, 1 << 16, 4, writer_rank=0, external_writer_handle=handle, blocking=False
+    )
     if external is not None:
         # Every rank subscribed while joining; the writer sees them, sends READY.
         external.wait_until_ready(timeout=30)

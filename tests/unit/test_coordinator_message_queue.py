@@ -44,10 +44,12 @@ def queues() -> Iterator[Callable[..., tuple[MessageQueue, list[MessageQueue]]]]
     made: list[MessageQueue] = []
 
     def make(local: list[int], remote: list[int], **kwargs: Any):
-        writer = MessageQueue(len(local) + len(remote), len(local), local,
-                              connect_ip="127.0.0.1", **kwargs)
-        readers = [MessageQueue.create_from_handle(writer.export_handle(), r)
-                   for r in local + remote]
+        writer = MessageQueue(
+            len(local) + len(remote), len(local), local, connect_ip="127.0.0.1", **kwargs
+        )
+        readers = [
+            MessageQueue.create_from_handle(writer.export_handle(), r) for r in local + remote
+        ]
         made.extend([writer, *readers])
         return writer, readers
 

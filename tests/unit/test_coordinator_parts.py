@@ -65,8 +65,10 @@ def test_frames_round_trip_and_corruption_is_refused() -> None:
     rng = random.Random(0)
     buf = bytearray(4096)
     for _ in range(200):
-        frames = [bytes(rng.randrange(256) for _ in range(rng.randrange(0, 300)))
-                  for _ in range(rng.randrange(1, 5))]
+        frames = [
+            bytes(rng.randrange(256) for _ in range(rng.randrange(0, 300)))
+            for _ in range(rng.randrange(1, 5))
+        ]
         if shm_ring.frames_size(frames) > len(buf):
             continue
         shm_ring.write_frames(memoryview(buf), frames)
@@ -125,7 +127,9 @@ def test_all_gather_slicing_rules() -> None:
 def test_dim_rank_and_size_checks_name_the_value() -> None:
     x = torch.ones(2, 3, 4)
     assert [normalize_dim(x, d) for d in (0, 2, -1, -3)] == [0, 2, 2, 0]
-    with pytest.raises(ValueError, match=r"Invalid dim \(3\) for input tensor with shape \(2, 3, 4\)"):
+    with pytest.raises(
+        ValueError, match=r"Invalid dim \(3\) for input tensor with shape \(2, 3, 4\)"
+    ):
         normalize_dim(x, 3)
     with pytest.raises(TypeError):
         normalize_dim(x, 1.0)
@@ -246,8 +250,13 @@ def test_cpu_tensors_carried_in_a_header_round_trip_any_dtype() -> None:
 
     from ftdist.coordinator.tensor_dict import CpuTensorData
 
-    for t in (torch.arange(10, dtype=torch.bfloat16), torch.tensor(3.5),
-              torch.arange(12).reshape(3, 4).t(), torch.empty(0, 3), torch.ones(300_000)):
+    for t in (
+        torch.arange(10, dtype=torch.bfloat16),
+        torch.tensor(3.5),
+        torch.arange(12).reshape(3, 4).t(),
+        torch.empty(0, 3),
+        torch.ones(300_000),
+    ):
         back = pickle.loads(pickle.dumps(CpuTensorData.of(t), protocol=5)).to_tensor()
         assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
         back.add_(1)  # writable

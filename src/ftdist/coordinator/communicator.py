@@ -73,8 +73,10 @@ def check_group_rank(rank: Any, world_size: int, what: str) -> int:
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise TypeError(f"{what} rank must be an int, got {rank!r}")
     if not 0 <= rank < world_size:
-        raise ValueError(f"Invalid {what} rank ({rank}): it is a rank within the group, "
-                         f"which has {world_size} ranks (0..{world_size - 1})")
+        raise ValueError(
+            f"Invalid {what} rank ({rank}): it is a rank within the group, "
+            f"which has {world_size} ranks (0..{world_size - 1})"
+        )
     return rank
 
 
@@ -95,8 +97,7 @@ def check_sizes(sizes: Any, world_size: int) -> list[int]:
             raise ValueError(f"sizes must be non-negative, got {list(sizes)}")
         out.append(int(s))
     if len(out) != world_size:
-        raise ValueError(f"sizes has {len(out)} entries, the group has {world_size} ranks: "
-                         f"{out}")
+        raise ValueError(f"sizes has {len(out)} entries, the group has {world_size} ranks: {out}")
     return out
 
 
@@ -112,8 +113,15 @@ class DeviceCommunicator:
         world_size: the groups' size.
     """
 
-    def __init__(self, cpu_group: Any, device: torch.device, device_group: Any,
-                 unique_name: str, rank_in_group: int, world_size: int) -> None:
+    def __init__(
+        self,
+        cpu_group: Any,
+        device: torch.device,
+        device_group: Any,
+        unique_name: str,
+        rank_in_group: int,
+        world_size: int,
+    ) -> None:
         self.cpu_group = cpu_group
         self.device = device
         self.device_group = device_group
@@ -141,16 +149,19 @@ class DeviceCommunicator:
         """
         d = normalize_dim(input_, dim)
         if input_.shape[d] % self.world_size:
-            raise ValueError(f"reduce_scatter: dim {dim} has size {input_.shape[d]}, which does "
-                             f"not divide by the world size {self.world_size}; use "
-                             "reduce_scatterv(sizes=...) for uneven chunks")
+            raise ValueError(
+                f"reduce_scatter: dim {dim} has size {input_.shape[d]}, which does "
+                f"not divide by the world size {self.world_size}; use "
+                "reduce_scatterv(sizes=...) for uneven chunks"
+            )
         x = input_.movedim(d, 0).contiguous()
         out = x.new_empty((x.shape[0] // self.world_size, *x.shape[1:]))
         _reduce_scatter_flat(out, x, group=self.device_group)
         return out.movedim(0, d).contiguous()
 
-    def reduce_scatterv(self, input_: torch.Tensor, dim: int = -1,
-                        sizes: Sequence[int] | None = None) -> torch.Tensor:
+    def reduce_scatterv(
+        self, input_: torch.Tensor, dim: int = -1, sizes: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """Like :meth:`reduce_scatter`, but rank ``r`` keeps ``sizes[r]`` rows along ``dim``.
 
         Raises:
@@ -162,8 +173,10 @@ class DeviceCommunicator:
             return self.reduce_scatter(input_, d)
         sizes = check_sizes(sizes, self.world_size)
         if sum(sizes) != input_.shape[d]:
-            raise ValueError(f"reduce_scatterv: sizes {sizes} add up to {sum(sizes)}, but dim "
-                             f"{dim} has size {input_.shape[d]}")
+            raise ValueError(
+                f"reduce_scatterv: sizes {sizes} add up to {sum(sizes)}, but dim "
+                f"{dim} has size {input_.shape[d]}"
+            )
         if len(set(sizes)) == 1:
             return self.reduce_scatter(input_, d)
         x = input_.movedim(d, 0).contiguous()
@@ -189,8 +202,12 @@ class DeviceCommunicator:
         shape[d] *= self.world_size
         return stacked.movedim(0, d).reshape(shape)
 
-    def all_gatherv(self, input_: torch.Tensor | list[torch.Tensor], dim: int = 0,
-                    sizes: Sequence[int] | None = None) -> torch.Tensor | list[torch.Tensor]:
+    def all_gatherv(
+        self,
+        input_: torch.Tensor | list[torch.Tensor],
+        dim: int = 0,
+        sizes: Sequence[int] | None = None,
+    ) -> torch.Tensor | list[torch.Tensor]:
         """All-gather where rank ``r`` contributes ``sizes[r]`` rows along ``dim``.
 
         ``input_`` may be a list of tensors, each gathered with the same
@@ -205,25 +222,28 @@ class DeviceCommunicator:
             return [self._all_gatherv_one(check_tensor(t), dim, sizes) for t in input_]
         return self._all_gatherv_one(input_, dim, sizes)
 
-    def _all_gatherv_one(self, input_: torch.Tensor, dim: int,
-                         sizes: Sequence[int] | None) -> torch.Tensor:
+    def _all_gatherv_one(
+        self, input_: torch.Tensor, dim: int, sizes: Sequence[int] | None
+    ) -> torch.Tensor:
         d = normalize_dim(input_, dim)
         if sizes is None:
             return self.all_gather(input_, d)
         sizes = check_sizes(sizes, self.world_size)
         if input_.shape[d] != sizes[self.rank_in_group]:
-            raise ValueError(f"all_gatherv: this rank ({self.rank_in_group}) has {input_.shape[d]} "
-                             f"rows along dim {dim}, but sizes[{self.rank_in_group}] = "
-                             f"{sizes[self.rank_in_group]}")
+            raise ValueError(
+                f"all_gatherv: this rank ({self.rank_in_group}) has {input_.shape[d]} "
+                f"rows along dim {dim}, but sizes[{self.rank_in_group}] = "
+                f"{sizes[self.rank_in_group]}"
+            )
         if len(set(sizes)) == 1:
             return self.all_gather(input_, d)
         x = input_.movedim(d, 0)
         longest = max(sizes)
         padded = x.new_zeros((longest, *x.shape[1:]))
-        padded[:x.shape[0]] = x
+        padded[: x.shape[0]] = x
         flat = x.new_empty((self.world_size * longest, *x.shape[1:]))
         _all_gather_flat(flat, padded, group=self.device_group)
-        parts = [flat[r * longest:r * longest + n] for r, n in enumerate(sizes)]
+        parts = [flat[r * longest : r * longest + n] for r, n in enumerate(sizes)]
         return torch.cat(parts, 0).movedim(0, d).contiguous()
 
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
@@ -235,8 +255,11 @@ class DeviceCommunicator:
         d = normalize_dim(input_, dim)
         check_group_rank(dst, self.world_size, "dst")
         x = input_.contiguous()
-        gather_list = ([torch.empty_like(x) for _ in range(self.world_size)]
-                       if self.rank_in_group == dst else None)
+        gather_list = (
+            [torch.empty_like(x) for _ in range(self.world_size)]
+            if self.rank_in_group == dst
+            else None
+        )
         dist.gather(x, gather_list, group=self.device_group, group_dst=dst)
         if gather_list is None:
             return None
@@ -270,23 +293,30 @@ class DeviceCommunicator:
     def _check_peer(self, peer: Any, what: str) -> None:
         check_group_rank(peer, self.world_size, what)
         if peer == self.rank_in_group:
-            raise ValueError(f"Invalid {what} rank ({peer}): it is this rank; "
-                             "a rank cannot send to or receive from itself")
+            raise ValueError(
+                f"Invalid {what} rank ({peer}): it is this rank; "
+                "a rank cannot send to or receive from itself"
+            )
 
     # -- hooks ----------------------------------------------------------------------
     def prepare_communication_buffer_for_model(self, model: torch.nn.Module) -> None:
         """Nothing to prepare: plain collectives need no registered buffers."""
 
-    def dispatch(self, hidden_states: torch.Tensor, router_logits: torch.Tensor,
-                 is_sequence_parallel: bool = False,
-                 extra_tensors: list[torch.Tensor] | None = None) -> Any:
+    def dispatch(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        is_sequence_parallel: bool = False,
+        extra_tensors: list[torch.Tensor] | None = None,
+    ) -> Any:
         """No all-to-all backend: the inputs come back unchanged."""
         if extra_tensors is not None:
             return hidden_states, router_logits, extra_tensors
         return hidden_states, router_logits
 
-    def combine(self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False
-                ) -> torch.Tensor:
+    def combine(
+        self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False
+    ) -> torch.Tensor:
         """No all-to-all backend: ``hidden_states`` comes back unchanged."""
         return hidden_states
 
@@ -294,5 +324,4 @@ class DeviceCommunicator:
         """Nothing to release; the groups belong to the coordinator."""
 
 
-__all__ = ["DeviceCommunicator", "check_group_rank", "check_sizes", "check_tensor",
-           "normalize_dim"]
+__all__ = ["DeviceCommunicator", "check_group_rank", "check_sizes", "check_tensor", "normalize_dim"]

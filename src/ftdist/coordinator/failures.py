@@ -65,8 +65,9 @@ class FailureWatch:
         self._members: weakref.WeakSet[Any] = weakref.WeakSet()
         self._stop = threading.Event()
         self.news: str | None = None
-        self._thread = threading.Thread(target=self._run, name="ftdist-coordinator-failures",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="ftdist-coordinator-failures", daemon=True
+        )
         self._thread.start()
 
     def _run(self) -> None:
@@ -81,8 +82,11 @@ class FailureWatch:
                     return
                 continue  # the store is slow or gone; collective timeouts still apply
             self.news = news
-            logger.warning("failure news at %s: %s; aborting this process's coordinators",
-                           self.store_addr, news)
+            logger.warning(
+                "failure news at %s: %s; aborting this process's coordinators",
+                self.store_addr,
+                news,
+            )
             for member in list(self._members):
                 try:
                     member.abort()

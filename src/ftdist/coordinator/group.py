@@ -165,8 +165,14 @@ class GroupCoordinator:
             ranks = own_group(group_ranks, spec.rank)
             self.device_group, self.cpu_group = new_ft_groups(spec)
             try:
-                configure_ft_groups(self.device_group, self.cpu_group, spec.store_addr,
-                                    self.unique_name, ranks, spec.rank)
+                configure_ft_groups(
+                    self.device_group,
+                    self.cpu_group,
+                    spec.store_addr,
+                    self.unique_name,
+                    ranks,
+                    spec.rank,
+                )
             except BaseException:
                 self.device_group.shutdown()
                 self.cpu_group.shutdown()
@@ -180,11 +186,14 @@ class GroupCoordinator:
             require_torch_distributed(self.backend)
             self.rank = dist.get_rank()
             ranks, self.device_group, self.cpu_group = new_torch_groups(
-                group_ranks, self.rank, self.backend, timeout)
+                group_ranks, self.rank, self.backend, timeout
+            )
         else:
-            raise TypeError("torch_distributed_backend must be 'gloo', 'nccl' (torch.distributed "
-                            "groups) or an FtBackend (ftdist groups), got "
-                            f"{torch_distributed_backend!r}")
+            raise TypeError(
+                "torch_distributed_backend must be 'gloo', 'nccl' (torch.distributed "
+                "groups) or an FtBackend (ftdist groups), got "
+                f"{torch_distributed_backend!r}"
+            )
         self._set_members(ranks)
         self.device = _device_for(self.backend, local_rank)
         self._build_communication()
@@ -199,11 +208,17 @@ class GroupCoordinator:
     def _build_communication(self) -> None:
         if self.use_device_communicator and self.world_size > 1:
             self.device_communicator = DeviceCommunicator(
-                self.cpu_group, self.device, self.device_group, self.unique_name,
-                self.rank_in_group, self.world_size)
+                self.cpu_group,
+                self.device,
+                self.device_group,
+                self.unique_name,
+                self.rank_in_group,
+                self.world_size,
+            )
         if self.use_message_queue_broadcaster and self.world_size > 1:
             self.mq_broadcaster = MessageQueue.create_from_process_group(
-                self.cpu_group, MQ_CHUNK_BYTES, MQ_CHUNKS, timeout=self._timeout_s() or 60.0)
+                self.cpu_group, MQ_CHUNK_BYTES, MQ_CHUNKS, timeout=self._timeout_s() or 60.0
+            )
 
     def _timeout_s(self) -> float | None:
         return None if self.timeout is None else self.timeout.total_seconds()
@@ -244,15 +259,20 @@ class GroupCoordinator:
         return self._ft is not None
 
     def __repr__(self) -> str:
-        return (f"GroupCoordinator({self.unique_name!r}, ranks={self.ranks}, "
-                f"rank_in_group={self.rank_in_group}, backend={self.backend!r})")
+        return (
+            f"GroupCoordinator({self.unique_name!r}, ranks={self.ranks}, "
+            f"rank_in_group={self.rank_in_group}, backend={self.backend!r})"
+        )
 
     def _communicator(self) -> DeviceCommunicator:
         if self.destroyed:
             raise RuntimeError(f"group {self.unique_name} is destroyed")
         if self.device_communicator is None:
-            why = ("the group has one rank" if self.world_size == 1 else
-                   "it was built with use_device_communicator=False")
+            why = (
+                "the group has one rank"
+                if self.world_size == 1
+                else "it was built with use_device_communicator=False"
+            )
             raise ValueError(f"No device communicator found for group {self.unique_name}: {why}")
         return self.device_communicator
 
@@ -303,8 +323,9 @@ class GroupCoordinator:
             return input_
         normalize_dim(input_, dim)
         if torch.compiler.is_compiling():
-            return torch.ops.ftdist.all_gather(input_, dim, self.world_size,
-                                               group_name=self.unique_name)
+            return torch.ops.ftdist.all_gather(
+                input_, dim, self.world_size, group_name=self.unique_name
+            )
         return self._all_gather_out_place(input_, dim)
 
     @_reports_failures
@@ -317,8 +338,12 @@ class GroupCoordinator:
         return self._communicator().all_gather(input_, dim)
 
     @_reports_failures
-    def all_gatherv(self, input_: torch.Tensor | list[torch.Tensor], dim: int = 0,
-                    sizes: list[int] | None = None) -> torch.Tensor | list[torch.Tensor]:
+    def all_gatherv(
+        self,
+        input_: torch.Tensor | list[torch.Tensor],
+        dim: int = 0,
+        sizes: list[int] | None = None,
+    ) -> torch.Tensor | list[torch.Tensor]:
         """All-gather where rank ``r`` contributes ``sizes[r]`` rows along ``dim``.
 
         ``sizes=None`` means equal sizes. ``input_`` may be a list of
@@ -348,11 +373,14 @@ class GroupCoordinator:
             return input_
         d = normalize_dim(input_, dim)
         if input_.shape[d] % self.world_size:
-            raise ValueError(f"reduce_scatter: dim {dim} has size {input_.shape[d]}, not "
-                             f"divisible by the world size {self.world_size}")
+            raise ValueError(
+                f"reduce_scatter: dim {dim} has size {input_.shape[d]}, not "
+                f"divisible by the world size {self.world_size}"
+            )
         if torch.compiler.is_compiling():
-            return torch.ops.ftdist.reduce_scatter(input_, dim, self.world_size,
-                                                   group_name=self.unique_name)
+            return torch.ops.ftdist.reduce_scatter(
+                input_, dim, self.world_size, group_name=self.unique_name
+            )
         return self._reduce_scatter_out_place(input_, dim)
 
     @_reports_failures
@@ -365,8 +393,9 @@ class GroupCoordinator:
         return self._communicator().reduce_scatter(input_, dim)
 
     @_reports_failures
-    def reduce_scatterv(self, input_: torch.Tensor, dim: int = -1,
-                        sizes: list[int] | None = None) -> torch.Tensor:
+    def reduce_scatterv(
+        self, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None
+    ) -> torch.Tensor:
         """Reduce-scatter where rank ``r`` keeps ``sizes[r]`` rows along ``dim``.
 
         Raises:
@@ -435,8 +464,9 @@ class GroupCoordinator:
         return objs[0]
 
     @_reports_failures
-    def broadcast_object_list(self, obj_list: list[Any], src: int = 0,
-                              group: Any = None) -> list[Any]:
+    def broadcast_object_list(
+        self, obj_list: list[Any], src: int = 0, group: Any = None
+    ) -> list[Any]:
         """Fill ``obj_list`` in place with ``src``'s list (same length everywhere); returns it.
 
         ``group`` is ignored, as in vLLM. The objects travel over the CPU
@@ -458,8 +488,9 @@ class GroupCoordinator:
     def _check_peer(self, peer: Any, what: str) -> int:
         self._src(peer, what)
         if peer == self.rank_in_group:
-            raise ValueError(f"Invalid {what} rank ({peer}): {what} is the same as the current "
-                             "rank")
+            raise ValueError(
+                f"Invalid {what} rank ({peer}): {what} is the same as the current rank"
+            )
         return int(peer)
 
     @_reports_failures
@@ -515,9 +546,13 @@ class GroupCoordinator:
 
     # -- tensor dictionaries (the transport is in tensor_dict.py) ---------------------------
     @_reports_failures
-    def broadcast_tensor_dict(self, tensor_dict: dict[Any, Any] | None = None, src: int = 0,
-                              group: Any = None, metadata_group: Any = None
-                              ) -> dict[Any, Any] | None:
+    def broadcast_tensor_dict(
+        self,
+        tensor_dict: dict[Any, Any] | None = None,
+        src: int = 0,
+        group: Any = None,
+        metadata_group: Any = None,
+    ) -> dict[Any, Any] | None:
         """Broadcast a dict of tensors and plain values from ``src``; every rank returns it.
 
         The metadata goes as one object; then every non-empty tensor is
@@ -537,10 +572,13 @@ class GroupCoordinator:
         return tensor_dict_ops.broadcast(self, tensor_dict, src)
 
     @_reports_failures
-    def send_tensor_dict(self, tensor_dict: dict[Any, Any], dst: int | None = None,
-                         all_gather_group: GroupCoordinator | None = None,
-                         all_gather_tensors: Mapping[Any, bool] | None = None
-                         ) -> dict[Any, Any] | None:
+    def send_tensor_dict(
+        self,
+        tensor_dict: dict[Any, Any],
+        dst: int | None = None,
+        all_gather_group: GroupCoordinator | None = None,
+        all_gather_tensors: Mapping[Any, bool] | None = None,
+    ) -> dict[Any, Any] | None:
         """Send a dict of tensors and plain values to ``dst`` (default: the next rank).
 
         With ``all_gather_group`` (typically the tensor-parallel group), each
@@ -562,15 +600,18 @@ class GroupCoordinator:
         if dst is None:
             dst = (self.rank_in_group + 1) % self.world_size
         self._check_peer(dst, "dst")
-        tensor_dict_ops.send(self, tensor_dict, dst, self._all_gather_args(all_gather_group),
-                             all_gather_tensors)
+        tensor_dict_ops.send(
+            self, tensor_dict, dst, self._all_gather_args(all_gather_group), all_gather_tensors
+        )
         return None
 
     @_reports_failures
-    def recv_tensor_dict(self, src: int | None = None,
-                         all_gather_group: GroupCoordinator | None = None,
-                         all_gather_tensors: Mapping[Any, bool] | None = None
-                         ) -> dict[Any, Any] | None:
+    def recv_tensor_dict(
+        self,
+        src: int | None = None,
+        all_gather_group: GroupCoordinator | None = None,
+        all_gather_tensors: Mapping[Any, bool] | None = None,
+    ) -> dict[Any, Any] | None:
         """Receive a dict sent with :meth:`send_tensor_dict` by ``src`` (default: the previous rank).
 
         Returns:
@@ -592,8 +633,10 @@ class GroupCoordinator:
         if all_gather_group is None:
             return None
         if not isinstance(all_gather_group, GroupCoordinator):
-            raise TypeError("all_gather_group must be a GroupCoordinator (e.g. get_tp_group()), "
-                            f"got {type(all_gather_group).__name__}")
+            raise TypeError(
+                "all_gather_group must be a GroupCoordinator (e.g. get_tp_group()), "
+                f"got {type(all_gather_group).__name__}"
+            )
         return all_gather_group.world_size, all_gather_group.rank_in_group
 
     # -- synchronisation and broadcasters -------------------------------------------------
@@ -602,9 +645,12 @@ class GroupCoordinator:
         """Wait until every member arrives (on the CPU group, never the device group)."""
         dist.barrier(group=self.cpu_group)
 
-    def create_mq_broadcaster(self, writer_rank: int = 0,
-                              external_writer_handle: Handle | None = None,
-                              blocking: bool = True) -> MessageQueue:
+    def create_mq_broadcaster(
+        self,
+        writer_rank: int = 0,
+        external_writer_handle: Handle | None = None,
+        blocking: bool = True,
+    ) -> MessageQueue:
         """A new :class:`MessageQueue` over the CPU group, written by ``writer_rank`` (collective).
 
         Raises:
@@ -613,13 +659,18 @@ class GroupCoordinator:
         """
         self._src(writer_rank, "writer")
         return MessageQueue.create_from_process_group(
-            self.cpu_group, MQ_CHUNK_BYTES, MQ_CHUNKS, writer_rank=writer_rank,
-            external_writer_handle=external_writer_handle, blocking=blocking,
-            timeout=self._timeout_s() or 60.0)
+            self.cpu_group,
+            MQ_CHUNK_BYTES,
+            MQ_CHUNKS,
+            writer_rank=writer_rank,
+            external_writer_handle=external_writer_handle,
+            blocking=blocking,
+            timeout=self._timeout_s() or 60.0,
+        )
 
-    def create_single_reader_mq_broadcasters(self, reader_rank_in_group: int = 0,
-                                             blocking: bool = False
-                                             ) -> tuple[MessageQueue | None, list[Handle]]:
+    def create_single_reader_mq_broadcasters(
+        self, reader_rank_in_group: int = 0, blocking: bool = False
+    ) -> tuple[MessageQueue | None, list[Handle]]:
         """Every rank writes its own queue read by ``reader_rank_in_group`` (collective).
 
         Returns:
@@ -635,12 +686,18 @@ class GroupCoordinator:
         if self.world_size == 1:
             return None, []
         return MessageQueue.create_from_process_group_single_reader(
-            self.cpu_group, MQ_CHUNK_BYTES, MQ_CHUNKS, reader_rank=reader_rank_in_group,
-            blocking=blocking, timeout=self._timeout_s() or 60.0)
+            self.cpu_group,
+            MQ_CHUNK_BYTES,
+            MQ_CHUNKS,
+            reader_rank=reader_rank_in_group,
+            blocking=blocking,
+            timeout=self._timeout_s() or 60.0,
+        )
 
     @contextlib.contextmanager
-    def graph_capture(self, graph_capture_context: GraphCaptureContext | None = None
-                      ) -> Iterator[GraphCaptureContext]:
+    def graph_capture(
+        self, graph_capture_context: GraphCaptureContext | None = None
+    ) -> Iterator[GraphCaptureContext]:
         """A context for CUDA graph capture on a side stream; a no-op context without CUDA.
 
         Yields:
@@ -671,23 +728,29 @@ class GroupCoordinator:
         if self.device_communicator is not None:
             self.device_communicator.prepare_communication_buffer_for_model(model)
 
-    def dispatch(self, hidden_states: torch.Tensor, router_logits: torch.Tensor,
-                 is_sequence_parallel: bool = False,
-                 extra_tensors: list[torch.Tensor] | None = None) -> Any:
+    def dispatch(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        is_sequence_parallel: bool = False,
+        extra_tensors: list[torch.Tensor] | None = None,
+    ) -> Any:
         """Expert-parallel dispatch; without an all-to-all backend, the inputs unchanged.
 
         Returns:
             ``(hidden_states, router_logits)``, plus ``extra_tensors`` when given.
         """
         if self.device_communicator is not None:
-            return self.device_communicator.dispatch(hidden_states, router_logits,
-                                                     is_sequence_parallel, extra_tensors)
+            return self.device_communicator.dispatch(
+                hidden_states, router_logits, is_sequence_parallel, extra_tensors
+            )
         if extra_tensors is not None:
             return hidden_states, router_logits, extra_tensors
         return hidden_states, router_logits
 
-    def combine(self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False
-                ) -> torch.Tensor:
+    def combine(
+        self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False
+    ) -> torch.Tensor:
         """Expert-parallel combine; without an all-to-all backend, ``hidden_states`` unchanged."""
         if self.device_communicator is not None:
             return self.device_communicator.combine(hidden_states, is_sequence_parallel)
@@ -731,7 +794,8 @@ class GroupCoordinator:
         if self._ft is None:
             raise TypeError(
                 f"group {self.unique_name} is built over torch.distributed groups, which cannot "
-                "be rebuilt; build it with torch_distributed_backend=FtBackend(...) to reconfigure")
+                "be rebuilt; build it with torch_distributed_backend=FtBackend(...) to reconfigure"
+            )
         if self.destroyed:
             raise RuntimeError(f"group {self.unique_name} is destroyed")
         new_ranks = check_group_ranks([ranks])[0]
@@ -746,8 +810,9 @@ class GroupCoordinator:
         if self.device_communicator is not None:
             self.device_communicator.destroy()
             self.device_communicator = None
-        configure_ft_groups(self.device_group, self.cpu_group, store_addr, self.unique_name,
-                            new_ranks, self.rank)
+        configure_ft_groups(
+            self.device_group, self.cpu_group, store_addr, self.unique_name, new_ranks, self.rank
+        )
         self._set_members(new_ranks)
         self._build_communication()
         if self._ft.failure_news:

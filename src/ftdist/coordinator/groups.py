@@ -89,8 +89,9 @@ class FtBackend:
         if self.rank < 0:
             raise ValueError(f"FtBackend rank must be >= 0, got {self.rank}")
         if self.device not in FT_DEVICE_BACKENDS:
-            raise ValueError(f"FtBackend device {self.device!r} is not one of "
-                             f"{sorted(FT_DEVICE_BACKENDS)}")
+            raise ValueError(
+                f"FtBackend device {self.device!r} is not one of {sorted(FT_DEVICE_BACKENDS)}"
+            )
         if not isinstance(self.timeout, timedelta) or self.timeout <= timedelta(0):
             raise TypeError(f"FtBackend timeout must be a positive timedelta, got {self.timeout!r}")
 
@@ -109,8 +110,10 @@ def check_group_ranks(group_ranks: Any) -> list[list[int]]:
             or a rank in two groups.
     """
     if not isinstance(group_ranks, (list, tuple)) or not group_ranks:
-        raise TypeError(f"group_ranks must be a non-empty list of rank lists, e.g. [[0, 1], "
-                        f"[2, 3]], got {group_ranks!r}")
+        raise TypeError(
+            f"group_ranks must be a non-empty list of rank lists, e.g. [[0, 1], "
+            f"[2, 3]], got {group_ranks!r}"
+        )
     seen: set[int] = set()
     out = []
     for i, ranks in enumerate(group_ranks):
@@ -125,8 +128,10 @@ def check_group_ranks(group_ranks: Any) -> list[list[int]]:
             raise ValueError(f"group_ranks[{i}] = {list(ranks)} repeats a rank")
         both = seen & set(ranks)
         if both:
-            raise ValueError(f"rank(s) {sorted(both)} appear in more than one group of "
-                             f"group_ranks; the groups of one coordinator must be disjoint")
+            raise ValueError(
+                f"rank(s) {sorted(both)} appear in more than one group of "
+                f"group_ranks; the groups of one coordinator must be disjoint"
+            )
         seen |= set(ranks)
         out.append([int(r) for r in ranks])
     return out
@@ -141,8 +146,10 @@ def own_group(group_ranks: list[list[int]], rank: int) -> list[int]:
     for ranks in group_ranks:
         if rank in ranks:
             return ranks
-    raise ValueError(f"rank {rank} is in none of the groups {group_ranks}; every process "
-                     "that builds a coordinator must belong to one of its groups")
+    raise ValueError(
+        f"rank {rank} is in none of the groups {group_ranks}; every process "
+        "that builds a coordinator must belong to one of its groups"
+    )
 
 
 def require_torch_distributed(backend: str) -> None:
@@ -155,11 +162,13 @@ def require_torch_distributed(backend: str) -> None:
         raise RuntimeError(
             f"a GroupCoordinator with backend {backend!r} builds torch.distributed groups: call "
             "init_distributed_environment() (or dist.init_process_group) first, or pass "
-            "torch_distributed_backend=FtBackend(store_addr, rank) for ftdist groups")
+            "torch_distributed_backend=FtBackend(store_addr, rank) for ftdist groups"
+        )
 
 
-def new_torch_groups(group_ranks: list[list[int]], rank: int, backend: str,
-                     timeout: timedelta | None) -> tuple[list[int], Any, Any]:
+def new_torch_groups(
+    group_ranks: list[list[int]], rank: int, backend: str, timeout: timedelta | None
+) -> tuple[list[int], Any, Any]:
     """Build every group of ``group_ranks`` with ``dist.new_group`` (collective over the world).
 
     Returns:
@@ -177,7 +186,8 @@ def new_torch_groups(group_ranks: list[list[int]], rank: int, backend: str,
             raise ValueError(
                 f"group {ranks} is not sorted: torch.distributed orders a group's ranks by "
                 f"global rank, so rank_in_group would disagree with the collectives' order; "
-                f"pass {sorted(ranks)}")
+                f"pass {sorted(ranks)}"
+            )
         if max(ranks) >= world:
             raise ValueError(f"group {ranks} names a rank outside the world of {world} ranks")
     for ranks in group_ranks:
@@ -198,12 +208,20 @@ def group_store_addr(store_addr: str, unique_name: str, ranks: list[int], kind: 
 
 def new_ft_groups(spec: FtBackend) -> tuple[ProcessGroup, ProcessGroup]:
     """Unconfigured ``(device_group, cpu_group)`` for ``spec``."""
-    return (FT_DEVICE_BACKENDS[spec.device](timeout=spec.timeout),
-            ProcessGroupGloo(timeout=spec.timeout))
+    return (
+        FT_DEVICE_BACKENDS[spec.device](timeout=spec.timeout),
+        ProcessGroupGloo(timeout=spec.timeout),
+    )
 
 
-def configure_ft_groups(device_group: ProcessGroup, cpu_group: ProcessGroup, store_addr: str,
-                        unique_name: str, ranks: list[int], rank: int) -> None:
+def configure_ft_groups(
+    device_group: ProcessGroup,
+    cpu_group: ProcessGroup,
+    store_addr: str,
+    unique_name: str,
+    ranks: list[int],
+    rank: int,
+) -> None:
     """(Re)configure both ftdist groups for ``ranks``; work in flight on the old ones fails.
 
     Raises:
@@ -212,10 +230,19 @@ def configure_ft_groups(device_group: ProcessGroup, cpu_group: ProcessGroup, sto
     """
     position = ranks.index(rank)
     for group, kind in ((device_group, "device"), (cpu_group, "cpu")):
-        group.configure(group_store_addr(store_addr, unique_name, ranks, kind), position,
-                        len(ranks))
+        group.configure(
+            group_store_addr(store_addr, unique_name, ranks, kind), position, len(ranks)
+        )
 
 
-__all__ = ["FT_DEVICE_BACKENDS", "FtBackend", "check_group_ranks", "configure_ft_groups",
-           "group_store_addr", "new_ft_groups", "new_torch_groups", "own_group",
-           "require_torch_distributed"]
+__all__ = [
+    "FT_DEVICE_BACKENDS",
+    "FtBackend",
+    "check_group_ranks",
+    "configure_ft_groups",
+    "group_store_addr",
+    "new_ft_groups",
+    "new_torch_groups",
+    "own_group",
+    "require_torch_distributed",
+]

@@ -242,7 +242,9 @@ class MessageQueue:
         _int_arg("max_message_bytes", max_message_bytes, 1)
         if n_local_reader > n_reader:
             raise ValueError(f"n_local_reader ({n_local_reader}) exceeds n_reader ({n_reader})")
-        ranks = list(range(n_local_reader)) if local_reader_ranks is None else list(local_reader_ranks)
+        ranks = (
+            list(range(n_local_reader)) if local_reader_ranks is None else list(local_reader_ranks)
+        )
         if len(ranks) != n_local_reader or len(set(ranks)) != len(ranks):
             raise ValueError(f"local_reader_ranks {ranks} must be {n_local_reader} distinct ranks")
         self._init_common()
@@ -257,8 +259,12 @@ class MessageQueue:
         self._subscribed: dict[str, set[int]] = {"local": set(), "remote": set()}
         self._gone: dict[int, str] = {}
         self._ipc_dir: str | None = None
-        handle = Handle(local_reader_ranks=ranks, writer_rank=writer_rank, token=self._token,
-                        max_message_bytes=max_message_bytes)
+        handle = Handle(
+            local_reader_ranks=ranks,
+            writer_rank=writer_rank,
+            token=self._token,
+            max_message_bytes=max_message_bytes,
+        )
         try:
             if n_local_reader:
                 self.buffer = ShmRingBuffer(n_local_reader, max_chunk_bytes, max_chunks)
@@ -436,8 +442,10 @@ class MessageQueue:
         self._remove_ipc_dir()
 
     def _all_subscribed(self) -> bool:
-        return (set(self.local_reader_ranks) <= self._subscribed["local"]
-                and len(self._subscribed["remote"]) >= self.n_remote_reader)
+        return (
+            set(self.local_reader_ranks) <= self._subscribed["local"]
+            and len(self._subscribed["remote"]) >= self.n_remote_reader
+        )
 
     def _drain_subscriptions(self) -> None:
         prefix = _TOPIC_MARK + self._token
@@ -452,7 +460,7 @@ class MessageQueue:
                 if len(msg) < 1 or not msg[1:].startswith(prefix):
                     continue  # the catch-all "" subscription, or not one of ours
                 try:
-                    rank = int(msg[1 + len(prefix):])
+                    rank = int(msg[1 + len(prefix) :])
                 except ValueError:
                     continue
                 if msg[:1] == b"\x01":
@@ -466,7 +474,9 @@ class MessageQueue:
         ranks = sorted(self._gone)
         return PeerGoneError(
             f"message queue writer (rank {self.writer_rank}): reader rank(s) {ranks} "
-            f"disconnected {when} (the process died or shut its queue down)", ranks)
+            f"disconnected {when} (the process died or shut its queue down)",
+            ranks,
+        )
 
     # -- writing -------------------------------------------------------------------
     def enqueue(self, obj: Any, timeout: float | None = None) -> None:
@@ -502,8 +512,12 @@ class MessageQueue:
             buf = self.buffer
             if buf is not None:
                 idx = self.current_idx
-                self._wait(lambda: buf.writable(idx), deadline,
-                           lambda: self._behind(idx), self._reader_failure)
+                self._wait(
+                    lambda: buf.writable(idx),
+                    deadline,
+                    lambda: self._behind(idx),
+                    self._reader_failure,
+                )
                 buf.begin_write(idx)
                 chunk = buf.data(idx)
                 overflow = frames_size(frames) > buf.max_chunk_bytes
@@ -546,8 +560,12 @@ class MessageQueue:
                 return
             except zmq.Again:
                 pass
-            self._wait(lambda: bool(_events(sock) & zmq.POLLOUT), deadline,
-                       lambda: "a reader to drain the socket", self._reader_failure)
+            self._wait(
+                lambda: bool(_events(sock) & zmq.POLLOUT),
+                deadline,
+                lambda: "a reader to drain the socket",
+                self._reader_failure,
+            )
 
     # -- reading ---------------------------------------------------------------------
     def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
@@ -578,9 +596,11 @@ class MessageQueue:
                 # The chunk was an overflow marker and is released: the
                 # stream cannot resume if its message does not arrive.
                 try:
-                    frames = self._recv(None if deadline is None else
-                                        max(0.0, deadline - time.monotonic()),
-                                        "an overflow message", indefinite)
+                    frames = self._recv(
+                        None if deadline is None else max(0.0, deadline - time.monotonic()),
+                        "an overflow message",
+                        indefinite,
+                    )
                 except Exception as exc:
                     self._broken = exc
                     raise
@@ -592,8 +612,13 @@ class MessageQueue:
         """``(True, obj)`` for an inline chunk; ``(False, None)`` for an overflow marker."""
         buf, reader, idx = self.buffer, self.local_reader_rank, self.current_idx
         assert buf is not None
-        self._wait(lambda: buf.readable(idx, reader), deadline,
-                   lambda: "the next message", self._writer_failure, quiet)
+        self._wait(
+            lambda: buf.readable(idx, reader),
+            deadline,
+            lambda: "the next message",
+            self._writer_failure,
+            quiet,
+        )
         chunk = buf.data(idx)
         try:
             if chunk_kind(chunk) != INLINE:
@@ -627,7 +652,8 @@ class MessageQueue:
             if remaining is not None and remaining <= 0:
                 raise CollectiveTimeoutError(
                     f"message queue reader (rank {self.rank}): no {what} from writer rank "
-                    f"{self.writer_rank} within {timeout:.3f}s")
+                    f"{self.writer_rank} within {timeout:.3f}s"
+                )
             slice_ms = 50 if remaining is None else max(0, min(50, int(remaining * 1000)))
             sock.poll(slice_ms)
         frames = sock.recv_multipart(copy=False)
@@ -642,19 +668,29 @@ class MessageQueue:
                 kind = event["event"]
                 if kind == zmq.EVENT_DISCONNECTED:
                     self._writer_gone = "its connection closed (the writer died or shut down)"
-                elif kind in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
-                              zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+                elif kind in (
+                    zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+                    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+                ):
                     self._writer_gone = "the CurveZMQ handshake failed (wrong handle?)"
         if self._writer_gone is None:
             return None
         return PeerGoneError(
             f"message queue reader (rank {self.rank}): writer rank {self.writer_rank} is gone: "
-            f"{self._writer_gone}", [self.writer_rank])
+            f"{self._writer_gone}",
+            [self.writer_rank],
+        )
 
     # -- waiting -----------------------------------------------------------------------
-    def _wait(self, ready: Callable[[], bool], deadline: float | None,
-              describe: Callable[[], str], failure: Callable[[], Exception | None],
-              quiet: bool = False) -> None:
+    def _wait(
+        self,
+        ready: Callable[[], bool],
+        deadline: float | None,
+        describe: Callable[[], str],
+        failure: Callable[[], Exception | None],
+        quiet: bool = False,
+    ) -> None:
         """Wait until ``ready()``: spin briefly, then sleep; check peers every few ms."""
         if ready():
             return
@@ -673,10 +709,15 @@ class MessageQueue:
                 next_check = now + CHECK_INTERVAL_S
             if deadline is not None and now >= deadline:
                 raise CollectiveTimeoutError(
-                    f"message queue ({self._role()}): waited {now - start:.3f}s for {describe()}")
+                    f"message queue ({self._role()}): waited {now - start:.3f}s for {describe()}"
+                )
             if not quiet and now >= next_warn:
-                logger.warning("message queue (%s): still waiting after %.0f s for %s",
-                               self._role(), now - start, describe())
+                logger.warning(
+                    "message queue (%s): still waiting after %.0f s for %s",
+                    self._role(),
+                    now - start,
+                    describe(),
+                )
                 next_warn += WARN_INTERVAL_S
             idle = now - start
             if idle < SPIN_S:
@@ -731,11 +772,14 @@ class MessageQueue:
     def _op(self) -> Iterator[None]:
         self._check_shutdown()
         if self._broken is not None:
-            raise RuntimeError(f"message queue ({self._role()}) is unusable after an earlier "
-                               f"failure: {self._broken}") from self._broken
+            raise RuntimeError(
+                f"message queue ({self._role()}) is unusable after an earlier "
+                f"failure: {self._broken}"
+            ) from self._broken
         if not self._op_lock.acquire(blocking=False):
-            raise RuntimeError("a MessageQueue is used by one thread at a time; another call "
-                               "is in progress")
+            raise RuntimeError(
+                "a MessageQueue is used by one thread at a time; another call is in progress"
+            )
         try:
             yield
         finally:
@@ -831,8 +875,16 @@ class MessageQueue:
         from ftdist.coordinator.mq_group import create_from_process_group
 
         return create_from_process_group(
-            pg, max_chunk_bytes, max_chunks, writer_rank, external_writer_handle, blocking,
-            remote_reader_ranks=remote_reader_ranks, connect_ip=connect_ip, timeout=timeout)
+            pg,
+            max_chunk_bytes,
+            max_chunks,
+            writer_rank,
+            external_writer_handle,
+            blocking,
+            remote_reader_ranks=remote_reader_ranks,
+            connect_ip=connect_ip,
+            timeout=timeout,
+        )
 
     @staticmethod
     def create_from_process_group_single_reader(
@@ -859,7 +911,8 @@ class MessageQueue:
         from ftdist.coordinator.mq_group import create_from_process_group_single_reader
 
         return create_from_process_group_single_reader(
-            pg, max_chunk_bytes, max_chunks, reader_rank, blocking, timeout=timeout)
+            pg, max_chunk_bytes, max_chunks, reader_rank, blocking, timeout=timeout
+        )
 
 
 __all__ = [

@@ -71,8 +71,10 @@ def create_from_process_group(
     if writer_rank >= size:
         raise ValueError(f"writer_rank ({writer_rank}) is not a rank of a group of size {size}")
     if external_writer_handle is not None and not isinstance(external_writer_handle, Handle):
-        raise TypeError("external_writer_handle must be a MessageQueue Handle, got "
-                        f"{type(external_writer_handle).__name__}")
+        raise TypeError(
+            "external_writer_handle must be a MessageQueue Handle, got "
+            f"{type(external_writer_handle).__name__}"
+        )
     forced = set(remote_reader_ranks)
     # Only the writer rank knows whether the writer is external, so every
     # rank takes the same steps and learns it with the handle.
@@ -83,10 +85,18 @@ def create_from_process_group(
         if external_writer_handle is not None:
             objs[0] = external_writer_handle
         else:
-            local = [r for r in range(size)
-                     if r != writer_rank and same_node[r] and r not in forced]
-            mq = MessageQueue(size - 1, len(local), local, max_chunk_bytes, max_chunks,
-                              connect_ip, writer_rank=writer_rank)
+            local = [
+                r for r in range(size) if r != writer_rank and same_node[r] and r not in forced
+            ]
+            mq = MessageQueue(
+                size - 1,
+                len(local),
+                local,
+                max_chunk_bytes,
+                max_chunks,
+                connect_ip,
+                writer_rank=writer_rank,
+            )
             objs[0] = mq.export_handle()
     try:
         dist.broadcast_object_list(objs, group=pg, group_src=writer_rank)
@@ -103,7 +113,6 @@ def create_from_process_group(
             mq.shutdown()
             raise
     return mq
-
 
 
 def create_from_process_group_single_reader(
@@ -145,8 +154,6 @@ def create_from_process_group_single_reader(
     return mq, list(handles or [])
 
 
-
-
 def group_rank_and_size(pg: Any) -> tuple[int, int]:
     """This process's rank in ``pg`` and its size (works without a default group).
 
@@ -181,7 +188,7 @@ def in_the_same_node_as(pg: Any, source_rank: int = 0) -> list[bool]:
     if rank == source_rank:
         shm = SharedMemory(create=True, size=128)
         assert shm.buf is not None
-        shm.buf[:len(magic)] = magic
+        shm.buf[: len(magic)] = magic
         objs[0] = shm.name
     try:
         dist.broadcast_object_list(objs, group=pg, group_src=source_rank)
@@ -192,7 +199,7 @@ def in_the_same_node_as(pg: Any, source_rank: int = 0) -> list[bool]:
             except OSError:
                 pass  # not on this host
             else:
-                same = peer[:len(magic)] == magic
+                same = peer[: len(magic)] == magic
                 peer.close()
         # The source must not unlink before everyone has looked.
         dist.barrier(group=pg)

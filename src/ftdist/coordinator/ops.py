@@ -109,25 +109,34 @@ def all_gather(tensor: torch.Tensor, dim: int, world_size: int, group_name: str)
 
 
 @all_gather.register_fake
-def _all_gather_fake(tensor: torch.Tensor, dim: int, world_size: int,
-                     group_name: str) -> torch.Tensor:
+def _all_gather_fake(
+    tensor: torch.Tensor, dim: int, world_size: int, group_name: str
+) -> torch.Tensor:
     d = dim + tensor.dim() if dim < 0 else dim
     return tensor.new_empty(_shape_with(tensor, d, tensor.shape[d] * world_size))
 
 
 @custom_op("ftdist::reduce_scatter", mutates_args=())
-def reduce_scatter(tensor: torch.Tensor, dim: int, world_size: int,
-                   group_name: str) -> torch.Tensor:
+def reduce_scatter(
+    tensor: torch.Tensor, dim: int, world_size: int, group_name: str
+) -> torch.Tensor:
     """Sum over ``group_name`` and keep this rank's ``1/world_size`` slice along ``dim``."""
     return lookup_group(group_name)._reduce_scatter_out_place(tensor, dim)
 
 
 @reduce_scatter.register_fake
-def _reduce_scatter_fake(tensor: torch.Tensor, dim: int, world_size: int,
-                         group_name: str) -> torch.Tensor:
+def _reduce_scatter_fake(
+    tensor: torch.Tensor, dim: int, world_size: int, group_name: str
+) -> torch.Tensor:
     d = dim + tensor.dim() if dim < 0 else dim
     return tensor.new_empty(_shape_with(tensor, d, tensor.shape[d] // world_size))
 
 
-__all__ = ["all_gather", "all_reduce", "get_unique_name", "lookup_group", "reduce_scatter",
-           "register_group"]
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "get_unique_name",
+    "lookup_group",
+    "reduce_scatter",
+    "register_group",
+]

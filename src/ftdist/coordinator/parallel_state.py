@@ -61,9 +61,9 @@ def _positive(name: str, value: Any) -> int:
     return value
 
 
-def model_parallel_layout(ranks: list[int], tensor_model_parallel_size: int,
-                          pipeline_model_parallel_size: int
-                          ) -> tuple[list[list[int]], list[list[int]]]:
+def model_parallel_layout(
+    ranks: list[int], tensor_model_parallel_size: int, pipeline_model_parallel_size: int
+) -> tuple[list[list[int]], list[list[int]]]:
     """The tensor- and pipeline-parallel groups over ``ranks`` (vLLM's layout).
 
     Positions in ``ranks`` are laid out as ``(data, pipeline, tensor)``; the
@@ -80,8 +80,10 @@ def model_parallel_layout(ranks: list[int], tensor_model_parallel_size: int,
     pp = _positive("pipeline_model_parallel_size", pipeline_model_parallel_size)
     n = len(ranks)
     if n % (tp * pp):
-        raise ValueError(f"world size ({n}) is not divisible by tensor_model_parallel_size "
-                         f"({tp}) x pipeline_model_parallel_size ({pp})")
+        raise ValueError(
+            f"world size ({n}) is not divisible by tensor_model_parallel_size "
+            f"({tp}) x pipeline_model_parallel_size ({pp})"
+        )
     grid = torch.arange(n).reshape(-1, pp, tp)
     tp_groups = [[ranks[i] for i in row] for row in grid.reshape(-1, tp).tolist()]
     pp_groups = [[ranks[i] for i in row] for row in grid.transpose(1, 2).reshape(-1, pp).tolist()]
@@ -107,8 +109,9 @@ def get_tp_group() -> GroupCoordinator:
         RuntimeError: :func:`initialize_model_parallel` was not called.
     """
     if _TP is None:
-        raise RuntimeError("tensor model parallel group is not initialized; call "
-                           "initialize_model_parallel()")
+        raise RuntimeError(
+            "tensor model parallel group is not initialized; call initialize_model_parallel()"
+        )
     return _TP
 
 
@@ -119,8 +122,9 @@ def get_pp_group() -> GroupCoordinator:
         RuntimeError: :func:`initialize_model_parallel` was not called.
     """
     if _PP is None:
-        raise RuntimeError("pipeline model parallel group is not initialized; call "
-                           "initialize_model_parallel()")
+        raise RuntimeError(
+            "pipeline model parallel group is not initialized; call initialize_model_parallel()"
+        )
     return _PP
 
 
@@ -166,38 +170,51 @@ def model_parallel_is_initialized() -> bool:
 
 
 # -- construction -------------------------------------------------------------------
-def init_world_group(ranks: list[int], local_rank: int, backend: str | FtBackend
-                     ) -> GroupCoordinator:
+def init_world_group(
+    ranks: list[int], local_rank: int, backend: str | FtBackend
+) -> GroupCoordinator:
     """The world coordinator over ``ranks`` (no device communicator, as in vLLM).
 
     Raises:
         See :class:`GroupCoordinator`.
     """
-    return GroupCoordinator([ranks], local_rank, backend, use_device_communicator=False,
-                            group_name="world")
+    return GroupCoordinator(
+        [ranks], local_rank, backend, use_device_communicator=False, group_name="world"
+    )
 
 
-def init_model_parallel_group(group_ranks: list[list[int]], local_rank: int,
-                              backend: str | FtBackend,
-                              use_message_queue_broadcaster: bool = False,
-                              group_name: str | None = None,
-                              use_device_communicator: bool = True) -> GroupCoordinator:
+def init_model_parallel_group(
+    group_ranks: list[list[int]],
+    local_rank: int,
+    backend: str | FtBackend,
+    use_message_queue_broadcaster: bool = False,
+    group_name: str | None = None,
+    use_device_communicator: bool = True,
+) -> GroupCoordinator:
     """A model-parallel coordinator (with a device communicator).
 
     Raises:
         See :class:`GroupCoordinator`.
     """
-    return GroupCoordinator(group_ranks, local_rank, backend, use_device_communicator,
-                            use_message_queue_broadcaster, group_name)
+    return GroupCoordinator(
+        group_ranks,
+        local_rank,
+        backend,
+        use_device_communicator,
+        use_message_queue_broadcaster,
+        group_name,
+    )
 
 
 def _ft_store_addr(distributed_init_method: Any) -> str:
     if not isinstance(distributed_init_method, str):
-        raise ValueError("an ftdist backend needs distributed_init_method='host:port/prefix' (a "
-                         f"TCPStore that outlives the ranks), got {distributed_init_method!r}")
+        raise ValueError(
+            "an ftdist backend needs distributed_init_method='host:port/prefix' (a "
+            f"TCPStore that outlives the ranks), got {distributed_init_method!r}"
+        )
     for scheme in ("ftdist://", "tcp://"):
         if distributed_init_method.startswith(scheme):
-            return distributed_init_method[len(scheme):]
+            return distributed_init_method[len(scheme) :]
     return distributed_init_method
 
 
@@ -234,42 +251,56 @@ def init_distributed_environment(
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str, got {backend!r}")
     if backend.startswith(FT_BACKEND_PREFIX):
-        device = backend[len(FT_BACKEND_PREFIX):]
+        device = backend[len(FT_BACKEND_PREFIX) :]
         if device not in FT_DEVICE_BACKENDS:
-            raise ValueError(f"unknown ftdist backend {backend!r}; use one of "
-                             f"{[FT_BACKEND_PREFIX + d for d in sorted(FT_DEVICE_BACKENDS)]}")
+            raise ValueError(
+                f"unknown ftdist backend {backend!r}; use one of "
+                f"{[FT_BACKEND_PREFIX + d for d in sorted(FT_DEVICE_BACKENDS)]}"
+            )
         _positive("world_size", world_size)
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, {world_size}) with an ftdist backend, got {rank!r}")
-        spec = FtBackend(_ft_store_addr(distributed_init_method), rank, device,
-                         timeout or DEFAULT_FT_TIMEOUT)
+            raise ValueError(
+                f"rank must be in [0, {world_size}) with an ftdist backend, got {rank!r}"
+            )
+        spec = FtBackend(
+            _ft_store_addr(distributed_init_method), rank, device, timeout or DEFAULT_FT_TIMEOUT
+        )
         if local_rank == -1:
             local_rank = rank
         if _WORLD is None:
             _WORLD = init_world_group(list(range(world_size)), local_rank, spec)
         elif _WORLD.world_size != world_size:
-            raise ValueError(f"world group already initialized with a different world size "
-                             f"({_WORLD.world_size}, not {world_size})")
+            raise ValueError(
+                f"world group already initialized with a different world size "
+                f"({_WORLD.world_size}, not {world_size})"
+            )
         return
     if not dist.is_initialized():
         if distributed_init_method is None:
-            raise ValueError("distributed_init_method must be given to initialise "
-                             "torch.distributed, e.g. 'env://' or 'tcp://host:port'")
+            raise ValueError(
+                "distributed_init_method must be given to initialise "
+                "torch.distributed, e.g. 'env://' or 'tcp://host:port'"
+            )
         if not dist.is_backend_available(backend):
-            logger.warning("distributed backend %s is not available; falling back to gloo",
-                           backend)
+            logger.warning("distributed backend %s is not available; falling back to gloo", backend)
             backend = "gloo"
         kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
-        dist.init_process_group(backend=backend, init_method=distributed_init_method,
-                                world_size=world_size, rank=rank, **kwargs)
+        dist.init_process_group(
+            backend=backend,
+            init_method=distributed_init_method,
+            world_size=world_size,
+            rank=rank,
+            **kwargs,
+        )
     if local_rank == -1:
         if distributed_init_method == "env://":
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         else:
             local_rank = dist.get_rank()
     if _WORLD is None:
-        _WORLD = init_world_group(list(range(dist.get_world_size())), local_rank,
-                                  str(dist.get_backend()))
+        _WORLD = init_world_group(
+            list(range(dist.get_world_size())), local_rank, str(dist.get_backend())
+        )
     elif _WORLD.world_size != dist.get_world_size():
         raise ValueError("world group already initialized with a different world size")
 
@@ -280,13 +311,15 @@ def _model_parallel_backend(world: GroupCoordinator, backend: str | None) -> str
         return backend or str(dist.get_backend(world.device_group))
     if backend is None:
         return spec
-    device = backend[len(FT_BACKEND_PREFIX):] if backend.startswith(FT_BACKEND_PREFIX) else backend
+    device = backend[len(FT_BACKEND_PREFIX) :] if backend.startswith(FT_BACKEND_PREFIX) else backend
     return replace(spec, device=device)
 
 
-def initialize_model_parallel(tensor_model_parallel_size: int = 1,
-                              pipeline_model_parallel_size: int = 1,
-                              backend: str | None = None) -> None:
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    backend: str | None = None,
+) -> None:
     """Build the tensor- and pipeline-parallel coordinators (collective).
 
     The tensor-parallel coordinator gets a message-queue broadcaster (its
@@ -307,39 +340,47 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         raise RuntimeError("tensor model parallel group is already initialized")
     if _PP is not None:
         raise RuntimeError("pipeline model parallel group is already initialized")
-    tp_groups, pp_groups = model_parallel_layout(world.ranks, tensor_model_parallel_size,
-                                                 pipeline_model_parallel_size)
+    tp_groups, pp_groups = model_parallel_layout(
+        world.ranks, tensor_model_parallel_size, pipeline_model_parallel_size
+    )
     chosen = _model_parallel_backend(world, backend)
-    _TP = init_model_parallel_group(tp_groups, world.local_rank, chosen,
-                                    use_message_queue_broadcaster=True, group_name="tp")
+    _TP = init_model_parallel_group(
+        tp_groups, world.local_rank, chosen, use_message_queue_broadcaster=True, group_name="tp"
+    )
     _PP = init_model_parallel_group(pp_groups, world.local_rank, chosen, group_name="pp")
 
 
-def ensure_model_parallel_initialized(tensor_model_parallel_size: int,
-                                      pipeline_model_parallel_size: int,
-                                      backend: str | None = None) -> None:
+def ensure_model_parallel_initialized(
+    tensor_model_parallel_size: int, pipeline_model_parallel_size: int, backend: str | None = None
+) -> None:
     """:func:`initialize_model_parallel` unless done; then check the sizes.
 
     Raises:
         ValueError: the groups exist with other sizes.
     """
     if not model_parallel_is_initialized():
-        initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size,
-                                  backend)
+        initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size, backend)
         return
     if get_tensor_model_parallel_world_size() != tensor_model_parallel_size:
-        raise ValueError(f"tensor parallel group already initialized, but of unexpected size: "
-                         f"{get_tensor_model_parallel_world_size()} vs. "
-                         f"{tensor_model_parallel_size}")
+        raise ValueError(
+            f"tensor parallel group already initialized, but of unexpected size: "
+            f"{get_tensor_model_parallel_world_size()} vs. "
+            f"{tensor_model_parallel_size}"
+        )
     if get_pipeline_model_parallel_world_size() != pipeline_model_parallel_size:
-        raise ValueError(f"pipeline parallel group already initialized, but of unexpected size: "
-                         f"{get_pipeline_model_parallel_world_size()} vs. "
-                         f"{pipeline_model_parallel_size}")
+        raise ValueError(
+            f"pipeline parallel group already initialized, but of unexpected size: "
+            f"{get_pipeline_model_parallel_world_size()} vs. "
+            f"{pipeline_model_parallel_size}"
+        )
 
 
-def reconfigure_model_parallel(store_addr: str, ranks: list[int],
-                               tensor_model_parallel_size: int,
-                               pipeline_model_parallel_size: int) -> None:
+def reconfigure_model_parallel(
+    store_addr: str,
+    ranks: list[int],
+    tensor_model_parallel_size: int,
+    pipeline_model_parallel_size: int,
+) -> None:
     """Rebuild the world, TP and PP coordinators for the survivors ``ranks`` (ftdist only).
 
     Every process in ``ranks`` calls it with the same arguments; the
@@ -355,10 +396,13 @@ def reconfigure_model_parallel(store_addr: str, ranks: list[int],
     world = get_world_group()
     tp_group, pp_group = get_tp_group(), get_pp_group()
     if not world.is_reconfigurable:
-        raise TypeError("reconfigure_model_parallel needs groups built with an ftdist backend "
-                        "(init_distributed_environment(..., backend='ftdist-gloo'))")
-    tp_groups, pp_groups = model_parallel_layout(list(ranks), tensor_model_parallel_size,
-                                                 pipeline_model_parallel_size)
+        raise TypeError(
+            "reconfigure_model_parallel needs groups built with an ftdist backend "
+            "(init_distributed_environment(..., backend='ftdist-gloo'))"
+        )
+    tp_groups, pp_groups = model_parallel_layout(
+        list(ranks), tensor_model_parallel_size, pipeline_model_parallel_size
+    )
     own_group([list(ranks)], world.rank)
     world.reconfigure(store_addr, list(ranks))
     tp_group.reconfigure(store_addr, own_group(tp_groups, world.rank))
@@ -429,8 +473,9 @@ def tensor_model_parallel_reduce_scatter(input_: torch.Tensor, dim: int = -1) ->
     return get_tp_group().reduce_scatter(input_, dim)
 
 
-def tensor_model_parallel_gather(input_: torch.Tensor, dst: int = 0,
-                                 dim: int = -1) -> torch.Tensor | None:
+def tensor_model_parallel_gather(
+    input_: torch.Tensor, dst: int = 0, dim: int = -1
+) -> torch.Tensor | None:
     """``get_tp_group().gather(input_, dst, dim)``.
 
     Raises:
@@ -439,8 +484,9 @@ def tensor_model_parallel_gather(input_: torch.Tensor, dst: int = 0,
     return get_tp_group().gather(input_, dst, dim)
 
 
-def broadcast_tensor_dict(tensor_dict: dict[Any, Any] | None = None,
-                          src: int = 0) -> dict[Any, Any] | None:
+def broadcast_tensor_dict(
+    tensor_dict: dict[Any, Any] | None = None, src: int = 0
+) -> dict[Any, Any] | None:
     """``get_tp_group().broadcast_tensor_dict``; the dict itself without torch.distributed.
 
     Raises:

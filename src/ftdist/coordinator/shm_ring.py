@@ -99,8 +99,9 @@ class ShmRingBuffer:
         ValueError: the segment named is smaller than the layout needs.
     """
 
-    def __init__(self, n_reader: int, max_chunk_bytes: int, max_chunks: int,
-                 name: str | None = None) -> None:
+    def __init__(
+        self, n_reader: int, max_chunk_bytes: int, max_chunks: int, name: str | None = None
+    ) -> None:
         self.n_reader = _check_positive("n_reader", n_reader)
         self.max_chunk_bytes = _check_positive("max_chunk_bytes", max_chunk_bytes)
         self.max_chunks = _check_positive("max_chunks", max_chunks)
@@ -111,8 +112,9 @@ class ShmRingBuffer:
         self._shm: SharedMemory | None = None
         self._mmap: mmap.mmap | None = None
         if name is None:
-            self._shm = SharedMemory(name=f"ftdist_mq_{uuid.uuid4().hex[:16]}", create=True,
-                                     size=self.total_bytes)
+            self._shm = SharedMemory(
+                name=f"ftdist_mq_{uuid.uuid4().hex[:16]}", create=True, size=self.total_bytes
+            )
             self.name = self._shm.name
             buf = self._shm.buf
             assert buf is not None
@@ -130,8 +132,9 @@ class ShmRingBuffer:
                 )
         self._buf: memoryview = buf
         if self.is_creator:
-            buf[self.metadata_offset:self.total_bytes] = bytes(
-                self.total_bytes - self.metadata_offset)
+            buf[self.metadata_offset : self.total_bytes] = bytes(
+                self.total_bytes - self.metadata_offset
+            )
         self._unlinked = False
 
     def handle(self) -> tuple[int, int, int, str]:
@@ -145,18 +148,20 @@ class ShmRingBuffer:
     def data(self, idx: int) -> memoryview:
         """Chunk ``idx``'s data bytes."""
         start = idx * self.max_chunk_bytes
-        return self._buf[start:start + self.max_chunk_bytes]
+        return self._buf[start : start + self.max_chunk_bytes]
 
     def metadata(self, idx: int) -> memoryview:
         """Chunk ``idx``'s flag row ``[written, read_by_0, ...]``."""
         start = self.metadata_offset + idx * self.metadata_size
-        return self._buf[start:start + self.metadata_size]
+        return self._buf[start : start + self.metadata_size]
 
     # -- protocol ----------------------------------------------------------------
     def writable(self, idx: int) -> bool:
         """True when the writer may overwrite chunk ``idx``: unwritten or read by all."""
-        meta = self._buf[self.metadata_offset + idx * self.metadata_size:
-                            self.metadata_offset + (idx + 1) * self.metadata_size]
+        meta = self._buf[
+            self.metadata_offset + idx * self.metadata_size : self.metadata_offset
+            + (idx + 1) * self.metadata_size
+        ]
         if meta[0] == 0:
             return True
         return all(meta[1:])
@@ -177,7 +182,7 @@ class ShmRingBuffer:
         """Make chunk ``idx`` visible to every reader: reader flags first, then ``written``."""
         start = self.metadata_offset + idx * self.metadata_size
         memory_fence()
-        self._buf[start + 1:start + self.metadata_size] = bytes(self.n_reader)
+        self._buf[start + 1 : start + self.metadata_size] = bytes(self.n_reader)
         memory_fence()
         self._buf[start] = 1
         memory_fence()
@@ -243,7 +248,7 @@ def write_frames(chunk: memoryview, frames: Sequence[memoryview | bytes]) -> Non
         n = len(view)
         _LENGTH.pack_into(chunk, pos, n)
         pos += _LENGTH.size
-        chunk[pos:pos + n] = view
+        chunk[pos : pos + n] = view
         pos += n
 
 
@@ -289,7 +294,7 @@ def read_frames(chunk: memoryview, copy_first: bool = True) -> list[Any]:
         pos += _LENGTH.size
         if n > size - pos:
             raise ValueError(f"corrupt message queue chunk: frame {i} of {n} bytes past the end")
-        view = chunk[pos:pos + n]
+        view = chunk[pos : pos + n]
         frames.append(view if i == 0 and not copy_first else bytearray(view))
         pos += n
     return frames

@@ -62,8 +62,9 @@ class CpuTensorData(NamedTuple):
         return torch.from_numpy(self.data).view(self.dtype).reshape(self.size)
 
 
-def split_tensor_dict(tensor_dict: Mapping[Any, Any]
-                      ) -> tuple[list[tuple[Any, Any]], list[torch.Tensor]]:
+def split_tensor_dict(
+    tensor_dict: Mapping[Any, Any],
+) -> tuple[list[tuple[Any, Any]], list[torch.Tensor]]:
     """Split a dict into ``(metadata_list, tensor_list)``.
 
     ``metadata_list`` has one ``(key, value)`` per entry, in order, where a
@@ -79,7 +80,9 @@ def split_tensor_dict(tensor_dict: Mapping[Any, Any]
     tensor_list: list[torch.Tensor] = []
     for key, value in tensor_dict.items():
         if isinstance(value, torch.Tensor):
-            metadata_list.append((key, TensorMetadata(value.device.type, value.dtype, value.size())))
+            metadata_list.append(
+                (key, TensorMetadata(value.device.type, value.dtype, value.size()))
+            )
             tensor_list.append(value)
         else:
             metadata_list.append((key, value))
@@ -94,7 +97,8 @@ def check_metadata_list(metadata_list: Any, source: str) -> list[tuple[Any, Any]
             two sides are out of step (one sent something else first).
     """
     if not isinstance(metadata_list, list) or not all(
-            isinstance(e, tuple) and len(e) == 2 for e in metadata_list):
+        isinstance(e, tuple) and len(e) == 2 for e in metadata_list
+    ):
         raise RuntimeError(
             f"expected a tensor-dict header from {source}, got {type(metadata_list).__name__}; "
             "the ranks called different operations in different orders"
@@ -102,8 +106,13 @@ def check_metadata_list(metadata_list: Any, source: str) -> list[tuple[Any, Any]
     return metadata_list
 
 
-def uses_all_gather(key: Any, tensor: torch.Tensor, all_gather_size: int,
-                    all_gather_tensors: Mapping[Any, bool] | None, enabled: bool) -> bool:
+def uses_all_gather(
+    key: Any,
+    tensor: torch.Tensor,
+    all_gather_size: int,
+    all_gather_tensors: Mapping[Any, bool] | None,
+    enabled: bool,
+) -> bool:
     """Whether ``tensor`` travels as a ``1/all_gather_size`` slice plus an all-gather.
 
     By default a tensor does when an all-gather group is given and its
@@ -156,8 +165,14 @@ def broadcast(g: Any, tensor_dict: Any, src: int) -> dict[Any, Any]:
         g.broadcast_object(header, src=src)
         for tensor in raw:
             if tensor.numel():
-                works.append(dist.broadcast(tensor.contiguous(), group=_group_for(g, tensor),
-                                            group_src=src, async_op=True))
+                works.append(
+                    dist.broadcast(
+                        tensor.contiguous(),
+                        group=_group_for(g, tensor),
+                        group_src=src,
+                        async_op=True,
+                    )
+                )
         for work in works:
             work.wait()
         return tensor_dict
@@ -167,8 +182,11 @@ def broadcast(g: Any, tensor_dict: Any, src: int) -> dict[Any, Any]:
         if isinstance(value, TensorMetadata):
             tensor = torch.empty(value.size, dtype=value.dtype, device=value.device)
             if tensor.numel():
-                works.append(dist.broadcast(tensor, group=_group_for(g, tensor), group_src=src,
-                                            async_op=True))
+                works.append(
+                    dist.broadcast(
+                        tensor, group=_group_for(g, tensor), group_src=src, async_op=True
+                    )
+                )
             out[key] = tensor
         elif isinstance(value, CpuTensorData):
             out[key] = value.to_tensor()
@@ -179,8 +197,13 @@ def broadcast(g: Any, tensor_dict: Any, src: int) -> dict[Any, Any]:
     return out
 
 
-def send(g: Any, tensor_dict: Any, dst: int, all_gather: tuple[int, int] | None,
-         all_gather_tensors: Mapping[Any, bool] | None) -> None:
+def send(
+    g: Any,
+    tensor_dict: Any,
+    dst: int,
+    all_gather: tuple[int, int] | None,
+    all_gather_tensors: Mapping[Any, bool] | None,
+) -> None:
     """``g.send_tensor_dict`` for a group of two or more (arguments checked).
 
     ``all_gather`` is the all-gather group's ``(world_size, rank_in_group)``.
@@ -203,8 +226,9 @@ def send(g: Any, tensor_dict: Any, dst: int, all_gather: tuple[int, int] | None,
         dist.send(tensor.contiguous(), group=_group_for(g, tensor), group_dst=dst)
 
 
-def recv(g: Any, src: int, all_gather_group: Any,
-         all_gather_tensors: Mapping[Any, bool] | None) -> dict[Any, Any]:
+def recv(
+    g: Any, src: int, all_gather_group: Any, all_gather_tensors: Mapping[Any, bool] | None
+) -> dict[Any, Any]:
     """``g.recv_tensor_dict`` for a group of two or more (arguments checked)."""
     ag_size = all_gather_group.world_size if all_gather_group is not None else 1
     ag_rank = all_gather_group.rank_in_group if all_gather_group is not None else 0
@@ -219,8 +243,7 @@ def recv(g: Any, src: int, all_gather_group: Any,
             out[key] = tensor
             continue
         group = _group_for(g, tensor)
-        if uses_all_gather(key, tensor, ag_size, all_gather_tensors,
-                           all_gather_group is not None):
+        if uses_all_gather(key, tensor, ag_size, all_gather_tensors, all_gather_group is not None):
             part = slice_for(tensor, ag_size, ag_rank)  # a view: received in place
             dist.recv(part, group=group, group_src=src)
             tensor = all_gather_group.all_gather(part, dim=0).reshape(value.size)
@@ -230,5 +253,14 @@ def recv(g: Any, src: int, all_gather_group: Any,
     return out
 
 
-__all__ = ["CpuTensorData", "TensorMetadata", "broadcast", "check_metadata_list", "recv", "send", "slice_for",
-           "split_tensor_dict", "uses_all_gather"]
+__all__ = [
+    "CpuTensorData",
+    "TensorMetadata",
+    "broadcast",
+    "check_metadata_list",
+    "recv",
+    "send",
+    "slice_for",
+    "split_tensor_dict",
+    "uses_all_gather",
+]
