@@ -69,6 +69,7 @@ bench: setup
 	$(PY) bench/process_group.py
 	$(PY) bench/lighthouse.py
 	$(PY) bench/recovery.py
+	$(PY) bench/coordinator.py
 
 # Regenerates the committed protobuf modules from src/ftdist/_rpc/proto.
 proto: setup

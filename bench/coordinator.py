@@ -1,6 +1,6 @@
 """GroupCoordinator benchmark: the coordinator against the plain torch.distributed calls.
 
-Real rank processes on this machine (``ftdist.testing.run_ranks``) build one
+Real rank processes on this machine (``ftdist.launch.ranks.run_ranks``) build one
 :class:`ftdist.coordinator.GroupCoordinator` over torch Gloo groups, with its
 shared-memory message queue, and measure side by side, in one run:
 
@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ftdist.coordinator.communicator import _all_gather_flat
-from ftdist.testing import RankContext, run_ranks
+from ftdist.launch.ranks import RankContext, run_ranks
 
 KiB, MiB = 1 << 10, 1 << 20
 

@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from ftdist.testing import RankContext, run_ranks
+from ftdist.launch.ranks import RankContext, run_ranks
 
 pytestmark = [
     pytest.mark.gpu,

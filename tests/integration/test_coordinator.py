@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from ftdist.testing import RankContext, run_ranks
+from ftdist.launch.ranks import RankContext, run_ranks
 from tests.integration import coordinator_checks as checks
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 
-from ftdist.testing import RankContext, Ranks
+from ftdist.launch.ranks import RankContext, Ranks
 
 D, H, STEPS, DIES_AT = 6, 12, 6, 3
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from ftdist.testing import RankContext, Ranks, run_ranks
+from ftdist.launch.ranks import RankContext, Ranks, run_ranks
 
 
 def _arrays(n: int, seed: int) -> list[np.ndarray]:
