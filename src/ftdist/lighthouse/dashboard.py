@@ -152,25 +152,26 @@ class _FreshStatus:
         if pause > 0:
             time.sleep(pause)
         start = time.monotonic()
-        result: tuple[dict[str, Any] | None, BaseException | None]
+        result: tuple[dict[str, Any] | None, BaseException | None] = (None, None)
         try:
             result = (self._compute(), None)
         except Exception as exc:
             result = (None, exc)
-        with self._cond:
-            self._running = False
-            self._done = mine
-            self._result = result
-            self._not_before = time.monotonic() + (time.monotonic() - start)
-            self._cond.notify_all()
+        finally:
+            with self._cond:
+                self._running = False
+                self._done = mine
+                self._result = result
+                self._not_before = time.monotonic() + (time.monotonic() - start)
+                self._cond.notify_all()
         return self._unpack(result)
 
     @staticmethod
     def _unpack(result: tuple[dict[str, Any] | None, BaseException | None]) -> dict[str, Any]:
         value, error = result
-        if error is not None:
-            raise error
-        assert value is not None
+        if error is not None or value is None:
+            # A new exception for each request thread that shares the result.
+            raise RuntimeError(f"the lighthouse could not produce its status: {error}")
         return value
 
 
@@ -413,8 +414,8 @@ def _make_handler(
                     self._send(200, body, "text/plain; version=0.0.4; charset=utf-8")
                 else:
                     self._json(404, {"error": f"no such page: {path}"})
-            except RuntimeError as exc:  # the lighthouse is stopping
-                self._json(503, {"error": str(exc)})
+            except (RuntimeError, TimeoutError) as exc:  # the lighthouse is stopping or stuck
+                self._json(503, {"error": str(exc) or "the lighthouse did not answer in time"})
 
         do_HEAD = do_GET
 
