@@ -25,7 +25,9 @@ pytestmark = pytest.mark.timeout(60)
 NOW = 1000.0
 IDS = [f"r{i}" for i in range(8)]
 # Bounded so that the whole file runs in a few seconds.
-PROPERTY = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(
+    max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 @dataclass(frozen=True)
