@@ -17,12 +17,19 @@ the same client, for example torchft's::
         "torchft_lighthouse --bind 127.0.0.1:{port} --min_replicas {n}"
 
 Run it: ``python bench/lighthouse.py [--sizes 2,8,64,256,1024] [--rounds R]``.
+
+``--token both`` runs every N twice, against a lighthouse without and with a
+job token, and prints the ratio of the steady p50s: the lighthouse's cost of
+checking the token. The clients send ``authorization: Bearer ...`` in both
+runs (a lighthouse without a token ignores it), so that the ratio measures
+the check and not the clients. ``--token on`` runs with the token only.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shlex
 import socket
 import statistics
@@ -54,11 +61,15 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+_BENCH_TOKEN = "bench-job-token-0123456789abcdef"
+
+
 class _Replica:
     """One simulated replica group: a channel plus its two RPC stubs."""
 
-    def __init__(self, address: str, replica_id: str) -> None:
+    def __init__(self, address: str, replica_id: str, token: str | None) -> None:
         self.replica_id = replica_id
+        self.metadata = None if token is None else (("authorization", f"Bearer {token}"),)
         self.channel = grpc.aio.insecure_channel(
             address, options=[("grpc.use_local_subchannel_pool", 1)]
         )
@@ -75,7 +86,7 @@ class _Replica:
         self.heartbeat_request = pb.LighthouseHeartbeatRequest(replica_id=replica_id)
 
     async def round(self, step: int, timeout: float) -> int:
-        await self.heartbeat(self.heartbeat_request, timeout=timeout)
+        await self.heartbeat(self.heartbeat_request, timeout=timeout, metadata=self.metadata)
         request = pb.LighthouseQuorumRequest(
             requester=pb.QuorumMember(
                 replica_id=self.replica_id,
@@ -85,12 +96,14 @@ class _Replica:
                 world_size=1,
             )
         )
-        response = await self.quorum(request, timeout=timeout)
+        response = await self.quorum(request, timeout=timeout, metadata=self.metadata)
         return len(response.quorum.participants)
 
 
-async def _run_size(address: str, n: int, rounds: int, timeout: float) -> tuple[float, list[float]]:
-    replicas = [_Replica(address, f"replica_{i:04d}") for i in range(n)]
+async def _run_size(
+    address: str, n: int, rounds: int, timeout: float, token: str | None
+) -> tuple[float, list[float]]:
+    replicas = [_Replica(address, f"replica_{i:04d}", token) for i in range(n)]
     try:
         await asyncio.gather(*(r.channel.channel_ready() for r in replicas))
         latencies: list[float] = []
@@ -142,38 +155,66 @@ def main() -> int:
         help="lighthouse command; {port} and {n} are substituted (default: ftdist lighthouse)",
     )
     parser.add_argument("--timeout", type=float, default=60.0, help="per-RPC timeout, seconds")
+    parser.add_argument(
+        "--token",
+        choices=["off", "on", "both"],
+        default="off",
+        help="run without a job token, with one, or both (then the p50 ratio is the "
+        "token check's cost) [default: off]",
+    )
     args = parser.parse_args()
 
     print(
-        f"{'N':>5} {'first quorum':>13} {'p50 round':>10} {'p99 round':>10} {'rounds':>7}"
-        f"  {'mean':>9}  vs torchft p50 (issue)"
+        f"{'N':>5} {'token':>5} {'first quorum':>13} {'p50 round':>10} {'p99 round':>10} "
+        f"{'rounds':>7}  {'mean':>9}  vs torchft p50 (issue)"
     )
+    # "both" runs off, on, on, off: the machine drifts during a run (the
+    # second of two runs is often the slower), and the order cancels that.
+    both = [None, _BENCH_TOKEN, _BENCH_TOKEN, None]
+    modes = {"off": [None], "on": [_BENCH_TOKEN], "both": both}[args.token]
     for n in (int(x) for x in args.sizes.split(",")):
         rounds = args.rounds or max(20, min(300, 6000 // n))
-        port = _free_port()
-        cmd = shlex.split(args.server_cmd.format(port=port, n=n))
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            address = f"127.0.0.1:{port}"
-            _wait_ready(address, proc, deadline_s=30.0)
-            first, steady = asyncio.run(_run_size(address, n, rounds, args.timeout))
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        p50_ms = _percentile(steady, 0.5) * 1e3
-        reference = _TORCHFT_P50_MS.get(n)
-        versus = f"{reference:g} ms -> {p50_ms / reference:.2f}x" if reference else "-"
-        print(
-            f"{n:>5} {first * 1e3:>10.1f} ms {p50_ms:>7.2f} ms "
-            f"{_percentile(steady, 0.99) * 1e3:>7.2f} ms {len(steady):>7}  "
-            f"{statistics.fmean(steady) * 1e3:>6.2f} ms  {versus}",
-            flush=True,
-        )
+        p50s: dict[bool, list[float]] = {False: [], True: []}
+        for token in modes:
+            steady, line = _measure(args, n, rounds, token, send=args.token == "both" or token)
+            p50s[token is not None].append(_percentile(steady, 0.5))
+            print(line, flush=True)
+        if args.token == "both":
+            ratio = statistics.fmean(p50s[True]) / statistics.fmean(p50s[False])
+            print(f"{n:>5} token check: mean p50 with / without = {ratio:.3f}", flush=True)
     return 0
+
+
+def _measure(
+    args: argparse.Namespace, n: int, rounds: int, token: str | None, send: object
+) -> tuple[list[float], str]:
+    port = _free_port()
+    cmd = shlex.split(args.server_cmd.format(port=port, n=n))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FTDIST_JOB_TOKEN")}
+    if token is not None:
+        env["FTDIST_JOB_TOKEN"] = token
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        address = f"127.0.0.1:{port}"
+        _wait_ready(address, proc, deadline_s=30.0)
+        sent = _BENCH_TOKEN if send else None
+        first, steady = asyncio.run(_run_size(address, n, rounds, args.timeout, sent))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    p50_ms = _percentile(steady, 0.5) * 1e3
+    reference = _TORCHFT_P50_MS.get(n)
+    versus = f"{reference:g} ms -> {p50_ms / reference:.2f}x" if reference else "-"
+    line = (
+        f"{n:>5} {'on' if token else 'off':>5} {first * 1e3:>10.1f} ms {p50_ms:>7.2f} ms "
+        f"{_percentile(steady, 0.99) * 1e3:>7.2f} ms {len(steady):>7}  "
+        f"{statistics.fmean(steady) * 1e3:>6.2f} ms  {versus}"
+    )
+    return steady, line
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from types import ModuleType
 import pytest
 
 from ftdist.errors import CoordinationError
+from ftdist.lighthouse.client import LighthouseClient
 from tests.integration.lighthouse_helpers import TIMEOUT, Lighthouses, member_ids
 
 pytestmark = pytest.mark.timeout(60)
@@ -117,3 +118,20 @@ def test_torchft_manager_joins_ftdist_lighthouse(tft: ModuleType, lh: Lighthouse
         assert list(result.reconfigure_handles) == ["h0"]
     finally:
         manager.shutdown()
+
+
+def test_torchft_client_without_a_token_is_refused_by_a_lighthouse_with_one(
+    tft: ModuleType, lh: Lighthouses
+) -> None:
+    # torchft's client sends no token: a lighthouse without one serves it
+    # (the tests above); one with a job token refuses it, saying why.
+    server = lh.server(min_replicas=1, token="job-s3cret")
+    client = tft.LighthouseClient(server.address(), timedelta(seconds=5))
+    refused = "Unauthenticated.*this lighthouse requires the job token: set FTDIST_JOB_TOKEN"
+    with pytest.raises(RuntimeError, match=refused):
+        client.heartbeat("a")
+    with pytest.raises(RuntimeError, match=refused):
+        client.quorum("a", timedelta(seconds=5))
+    # Nothing was recorded, and the lighthouse serves clients that have the token.
+    with LighthouseClient(server.address(), 5, token="job-s3cret") as ftdist_client:
+        assert ftdist_client.status()["heartbeats"] == []

@@ -187,7 +187,7 @@ def test_unreachable_lighthouse_is_one_line_naming_the_timeout_and_exit_1(
     ("argv", "message"),
     [
         (["bogus"], "address 'bogus' must be host:port or http://host:port"),
-        (["https://h:1"], "TLS is not supported"),
+        (["https://h"], "address 'https://h' must be host:port"),
         ([], "no lighthouse address"),
     ],
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
@@ -78,6 +79,7 @@ def test_unknown_setting_is_a_type_error() -> None:
         ("host:29510", "host:29510"),
         ("http://host:29510", "host:29510"),
         ("http://host:29510/", "host:29510"),
+        ("https://host:29510", "host:29510"),
         ("  10.0.0.1:1  ", "10.0.0.1:1"),
         ("http://[::1]:5", "[::1]:5"),
     ],
@@ -86,7 +88,28 @@ def test_addresses_accept_both_spellings(address: str, target: str) -> None:
     assert grpc_target(address) == target
 
 
-@pytest.mark.parametrize("address", ["", "host", "http://host", "host:port", "https://host:1"])
+@pytest.mark.parametrize("address", ["", "host", "http://host", "host:port", "https://host"])
 def test_bad_addresses_are_rejected(address: str) -> None:
     with pytest.raises(ValueError):
         grpc_target(address)
+
+
+def test_token_tls_and_caps_resolve_and_validate(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("from-file\n")
+    env = {"FTDIST_JOB_TOKEN": "from-env", "FTDIST_TLS_CERT": "c.pem", "FTDIST_TLS_KEY": "k.pem"}
+    config = resolve_lighthouse_config(environ=env, min_replicas=1)
+    assert (config.token, config.tls_cert, config.tls_key) == ("from-env", "c.pem", "k.pem")
+    assert "from-env" not in repr(config)  # secrets stay out of logs
+    assert resolve_lighthouse_config(environ=env, min_replicas=1, token="given").token == "given"
+    flagged = resolve_lighthouse_config(environ=env, min_replicas=1, token_file=str(token_file))
+    assert flagged.token == "from-file"
+    assert resolve_lighthouse_config(environ={}, min_replicas=1).token is None
+    caps = resolve_lighthouse_config(environ={}, min_replicas=1, max_subscribers="7")
+    assert caps.max_subscribers == 7 and caps.max_replica_ids == 65536
+    with pytest.raises(ValueError, match="max_parked_per_replica"):
+        resolve_lighthouse_config(environ={}, min_replicas=1, max_parked_per_replica=0)
+    with pytest.raises(ValueError, match="certificate and its key together"):
+        resolve_lighthouse_config(environ={}, min_replicas=1, tls_cert="c.pem")
+    with pytest.raises(OSError):
+        resolve_lighthouse_config(environ={}, min_replicas=1, token_file=str(tmp_path / "none"))

@@ -313,3 +313,41 @@ def test_lost_streams_of_non_members_and_anonymous_subscribers_are_ignored() -> 
     clock.now += STREAM_GRACE_S
     engine.tick()
     assert _failed(sub) == []
+
+
+def test_replica_ids_are_capped_and_only_expired_ones_make_room() -> None:
+    clock = FakeClock()
+    engine = LighthouseEngine(
+        QuorumConfig(min_replicas=1, join_timeout_s=60.0, heartbeat_timeout_s=5.0),
+        clock=clock,
+        max_replica_ids=3,
+    )
+    for rid in ("a", "b", "c"):
+        assert engine.admit(rid)
+        engine.heartbeat(rid)
+    assert not engine.admit("d")  # full, nothing expired
+    assert engine.admit("a")  # known ids always are
+    clock.now += 3.0
+    engine.heartbeat("c")
+    clock.now += 2.5  # a and b are now silent for 5.5 s: expired
+    assert not engine.admit("d")  # one sweep per tick, already spent above
+    engine.tick()
+    assert engine.admit("d")
+    assert set(engine.state.heartbeats) == {"c"}  # the expired ones were forgotten
+    engine.heartbeat("d")
+    assert engine.admit("e")
+    engine.heartbeat("e")
+    assert not engine.admit("x")  # full again, and nothing expired
+    assert len(engine.state.heartbeats) == 3
+
+
+def test_parked_counts_waiting_requests_per_replica() -> None:
+    engine, _ = make(min_replicas=2)
+    assert engine.parked("a") == 0
+    first, second = Answer(), Answer()
+    engine.join(member("a"), first)
+    engine.join(member("a"), second)
+    assert engine.parked("a") == 2 and engine.parked("b") == 0
+    engine.join(member("b"), Answer())
+    assert engine.parked("a") == 0  # answered
+    assert first.ids == second.ids == ("a", "b")

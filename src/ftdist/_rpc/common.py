@@ -47,24 +47,24 @@ _MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
 def grpc_target(address: str) -> str:
-    """Turn ``host:port`` or ``http://host:port`` into a gRPC channel target.
+    """Turn ``host:port``, ``http://host:port`` or ``https://host:port`` into a gRPC target.
 
     Args:
         address: the server address; ``[v6]:port`` works too, and a trailing
-            ``/`` is ignored.
+            ``/`` is ignored. ``https://`` asks for TLS (see
+            :func:`ftdist._rpc.auth.open_channel`).
 
     Returns:
         ``host:port``.
 
     Raises:
-        ValueError: for an empty address, an ``https://`` address (these
-            servers speak plaintext only) or one without a port.
+        ValueError: for an empty address or one without a port.
     """
     target = address.strip()
-    if target.startswith("https://"):
-        raise ValueError(f"address {address!r}: TLS is not supported; use http://host:port.")
-    if target.startswith("http://"):
-        target = target[len("http://") :]
+    for scheme in ("http://", "https://"):
+        if target.startswith(scheme):
+            target = target[len(scheme) :]
+            break
     target = target.rstrip("/")
     host, sep, port = target.rpartition(":")
     if not sep or not host or not port.isdigit():

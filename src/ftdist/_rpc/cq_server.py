@@ -214,6 +214,10 @@ class CompletionQueueServer:
         tick: called on the server thread every ``tick_period_s``.
         tick_period_s: tick period in seconds.
         thread_name: name of the server thread.
+        auth: given a call's invocation metadata, why it is refused (None to
+            serve it); a refused call is answered UNAUTHENTICATED before its
+            request is read or any handler runs.
+        credentials: TLS credentials for the port; None serves plaintext.
 
     Raises:
         OSError: (from :meth:`start`) if the address cannot be bound.
@@ -228,9 +232,13 @@ class CompletionQueueServer:
         tick: Callable[[], object] | None = None,
         tick_period_s: float = 0.1,
         thread_name: str = "ftdist-grpc",
+        auth: Callable[[Any], str | None] | None = None,
+        credentials: grpc.ServerCredentials | None = None,
     ) -> None:
         self._bind = bind
         self._handlers = handlers
+        self._auth = auth
+        self._credentials = credentials
         self._tick = tick
         self._tick_period_s = tick_period_s
         self._cq = cygrpc.CompletionQueue()
@@ -253,7 +261,8 @@ class CompletionQueueServer:
         Raises:
             OSError: if the address cannot be bound.
         """
-        port = self._server.add_http2_port(self._bind.encode(), None)
+        credentials = None if self._credentials is None else self._credentials._credentials
+        port = self._server.add_http2_port(self._bind.encode(), credentials)
         if not port:
             self._server.destroy()
             raise OSError(f"cannot bind gRPC server to {self._bind} (address in use?)")
@@ -361,6 +370,11 @@ class CompletionQueueServer:
         self._server.request_call(self._cq, self._cq, self._on_request_call)
         method = event.call_details.method.decode("utf-8", "replace")
         rpc = RpcCall(event.call, method)
+        if self._auth is not None:
+            problem = self._auth(event.invocation_metadata)
+            if problem is not None:
+                rpc.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
+                return
         handler = self._handlers.get(method)
         if handler is None:
             rpc.abort(grpc.StatusCode.UNIMPLEMENTED, f"unknown method {method}")

@@ -6,6 +6,11 @@ Runs a lighthouse in the foreground until SIGINT or SIGTERM, logging every
 quorum change and, while no quorum can form, why. Flags take torchft's
 spellings too (``--min_replicas`` as well as ``--min-replicas``), so scripts
 written for ``torchft_lighthouse`` work unchanged.
+
+``--token-file`` (or ``FTDIST_JOB_TOKEN``/``FTDIST_JOB_TOKEN_FILE``) makes
+every call need the job's token; ``--tls-cert``/``--tls-key`` (or
+``FTDIST_TLS_CERT``/``FTDIST_TLS_KEY``) serve gRPC over TLS
+(docs/security.md).
 """
 
 from __future__ import annotations
@@ -95,7 +100,27 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         key="kill_token",
         metavar="TOKEN",
         help_text="enable the dashboard's kill button, guarded by this shared secret "
-        "(prefer the environment variable: flags show up in ps)",
+        "(prefer the environment variable: flags show up in ps); the job token enables "
+        "and authorizes it too",
+    )
+    parser.add_argument(
+        "--token-file",
+        metavar="PATH",
+        default=None,
+        help="file holding the job token every call must carry "
+        "[env FTDIST_JOB_TOKEN, then FTDIST_JOB_TOKEN_FILE; default: none, open to anyone]",
+    )
+    parser.add_argument(
+        "--tls-cert",
+        metavar="PEM",
+        default=None,
+        help="serve gRPC over TLS with this certificate chain [env FTDIST_TLS_CERT]",
+    )
+    parser.add_argument(
+        "--tls-key",
+        metavar="PEM",
+        default=None,
+        help="the private key of --tls-cert [env FTDIST_TLS_KEY]",
     )
     parser.add_argument(
         "--log-level",
@@ -115,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
 
     Returns:
         0 after a clean stop, 1 if a port cannot be bound, 2 on a
-        configuration error.
+        configuration error (an unreadable token or TLS file included).
 
     Errors are reported on stderr and in the exit status.
     """
@@ -134,8 +159,11 @@ def run(args: argparse.Namespace) -> int:
             heartbeat_timeout_ms=args.heartbeat_timeout_ms,
             http_port=args.http_port,
             kill_token=args.kill_token,
+            token_file=args.token_file,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
         )
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         print(f"ftdist lighthouse: error: {exc}", file=sys.stderr)
         return 2
 

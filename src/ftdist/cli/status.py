@@ -11,6 +11,10 @@ heartbeat. It needs only the lighthouse's gRPC address, the one managers use
 with ftdist's ``Status`` call, so it works where the dashboard port is closed
 or off. torchft's lighthouse does not serve that call; use its dashboard.
 
+A lighthouse with a job token needs it: ``--token-file`` or
+``FTDIST_JOB_TOKEN``/``FTDIST_JOB_TOKEN_FILE``; ``--tls-ca`` (or
+``FTDIST_TLS_CA``, or an ``https://`` address) talks TLS.
+
 ``--json`` prints the raw document (the dashboard's ``/status.json``),
 ``--watch SECONDS`` refreshes until Ctrl-C. Exit status: 0 on success, 1 if
 the lighthouse could not be asked within ``--timeout``, 2 on a usage error.
@@ -30,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
+from ftdist._auth import job_token, tls_files
 from ftdist._rpc import common as _rpc
 from ftdist.errors import CoordinationTimeoutError, FtdistError
 from ftdist.lighthouse.client import LighthouseClient
@@ -74,6 +79,18 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         default=_DEFAULT_TIMEOUT_S,
         metavar="SECONDS",
         help=f"give up on an unreachable lighthouse after this long [default: {_DEFAULT_TIMEOUT_S:g}]",
+    )
+    parser.add_argument(
+        "--token-file",
+        metavar="PATH",
+        default=None,
+        help="file holding the job token [default: $FTDIST_JOB_TOKEN, then $FTDIST_JOB_TOKEN_FILE]",
+    )
+    parser.add_argument(
+        "--tls-ca",
+        metavar="PEM",
+        default=None,
+        help="talk TLS, trusting these certificates [default: $FTDIST_TLS_CA]",
     )
     parser.add_argument(
         "--json",
@@ -131,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
 
     Args:
         args: the parsed ``ftdist status`` arguments (``addr``, ``timeout``,
-            ``json``, ``watch``).
+            ``json``, ``watch``, ``token_file``, ``tls_ca``).
 
     Returns:
         0 on success (and when Ctrl-C ends ``--watch``), 1 if the lighthouse
@@ -151,10 +168,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         _rpc.grpc_target(addr)
-    except ValueError as exc:
+        token = job_token(token_file=getattr(args, "token_file", None))
+        tls_files(ca=getattr(args, "tls_ca", None)).root()  # unreadable: a usage error
+    except (ValueError, OSError) as exc:
         _error(str(exc))
         return 2
-    fetcher = _Fetcher(addr, timedelta(seconds=args.timeout))
+    fetcher = _Fetcher(addr, timedelta(seconds=args.timeout), token, getattr(args, "tls_ca", None))
     try:
         if args.watch is None:
             return _once(fetcher, args.json)
@@ -181,9 +200,13 @@ class _Fetcher:
     """Asks one lighthouse for its status, connecting on first use and
     reconnecting after a failed connect (a --watch outlives restarts)."""
 
-    def __init__(self, addr: str, timeout: timedelta) -> None:
+    def __init__(
+        self, addr: str, timeout: timedelta, token: str | None, tls_ca: str | None
+    ) -> None:
         self.addr = addr
         self.timeout = timeout
+        self._token = token
+        self._tls_ca = tls_ca
         self._client: LighthouseClient | None = None
 
     def fetch(self) -> dict[str, Any]:
@@ -196,7 +219,9 @@ class _Fetcher:
         deadline = time.monotonic() + self.timeout.total_seconds()
         if self._client is None:
             try:
-                self._client = LighthouseClient(self.addr, self.timeout)
+                self._client = LighthouseClient(
+                    self.addr, self.timeout, token=self._token, tls_ca=self._tls_ca
+                )
             except FtdistError as exc:
                 raise FtdistError(
                     f"cannot reach the lighthouse at {self.addr} within "

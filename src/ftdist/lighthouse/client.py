@@ -27,6 +27,11 @@ Connection handling:
 
 The client is thread-safe: one instance can serve a heartbeat thread and a
 quorum thread at once.
+
+Every call carries the job token (:mod:`ftdist._auth`) when the process has
+one; a lighthouse without a token ignores it, one with a token refuses calls
+without it (``CoordinationError`` naming ``UNAUTHENTICATED``). The channel
+uses TLS for an ``https://`` address or when ``FTDIST_TLS_CA`` is set.
 """
 
 from __future__ import annotations
@@ -40,9 +45,11 @@ from typing import Any
 
 import grpc
 
+from ftdist._auth import job_token, tls_files
 from ftdist._durations import to_seconds
 from ftdist._rpc import common as _rpc
 from ftdist._rpc._proto import ftdist_pb2, torchft_pb2
+from ftdist._rpc.auth import call_metadata, open_channel
 from ftdist.errors import CoordinationError, CoordinationTimeoutError
 from ftdist.lighthouse.types import LighthouseEvent, Quorum
 
@@ -102,13 +109,26 @@ class LighthouseClient:
         addr: the lighthouse address, ``host:port`` or ``http://host:port``.
         connect_timeout: how long to keep trying to connect (a timedelta or
             seconds), now and after the lighthouse goes away.
+        token: the job token sent with every call (default
+            ``FTDIST_JOB_TOKEN``, then ``FTDIST_JOB_TOKEN_FILE``; none: no
+            token is sent).
+        tls_ca: the PEM file of certificates to trust; setting it (or
+            ``FTDIST_TLS_CA``) makes the client use TLS.
 
     Raises:
-        ValueError: if the address or timeout is malformed.
+        ValueError: if the address, timeout or token is malformed.
+        OSError: if a token or TLS file cannot be read.
         CoordinationError: if the lighthouse cannot be reached in time.
     """
 
-    def __init__(self, addr: str, connect_timeout: timedelta | float) -> None:
+    def __init__(
+        self,
+        addr: str,
+        connect_timeout: timedelta | float,
+        *,
+        token: str | None = None,
+        tls_ca: str | None = None,
+    ) -> None:
         self.addr = addr
         self.connect_timeout = (
             connect_timeout
@@ -117,7 +137,8 @@ class LighthouseClient:
         )
         self._connect_s = to_seconds(connect_timeout, "connect_timeout")
         self._target = _rpc.grpc_target(addr)
-        self._channel = grpc.insecure_channel(self._target, options=_rpc.client_channel_options())
+        self._metadata = call_metadata(job_token(token))
+        self._channel = open_channel(addr, _rpc.client_channel_options(), tls_files(ca=tls_ca))
         self._lock = threading.Lock()
         # False after a call found the lighthouse unreachable: the next call
         # first reconnects, with backoff, for up to connect_timeout (the
@@ -263,7 +284,9 @@ class LighthouseClient:
             CoordinationError: if the lighthouse cannot be reached.
         """
         self._ensure_connected(self._connect_s, "Subscribe")
-        call = self._subscribe_rpc(ftdist_pb2.SubscribeRequest(replica_id=replica_id))
+        call = self._subscribe_rpc(
+            ftdist_pb2.SubscribeRequest(replica_id=replica_id), metadata=self._metadata
+        )
         return LighthouseEventStream(call, f"event stream from lighthouse at {self.addr}")
 
     def status(self, timeout: timedelta | float = _DEFAULT_STATUS_TIMEOUT) -> dict[str, Any]:
@@ -348,7 +371,11 @@ class LighthouseClient:
             remaining = max(0.001, deadline - time.monotonic())
             self._ensure_connected(min(self._connect_s, remaining), what)
             try:
-                return rpc(request, timeout=max(0.001, deadline - time.monotonic()))
+                return rpc(
+                    request,
+                    timeout=max(0.001, deadline - time.monotonic()),
+                    metadata=self._metadata,
+                )
             except grpc.RpcError as exc:
                 code = exc.code() if isinstance(exc, grpc.Call) else None
                 if code is grpc.StatusCode.UNAVAILABLE:

@@ -16,8 +16,15 @@ Field                               Environment variable            Default
 ``quorum_tick``                     ``FTDIST_LIGHTHOUSE_QUORUM_TICK_MS`` 100 ms
 ``heartbeat_timeout``               ``FTDIST_LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS`` 5 s
 ``http_port``                       ``FTDIST_LIGHTHOUSE_HTTP_PORT`` 0 (API), 29511 (CLI); -1 = off
-``kill_token``                      ``FTDIST_LIGHTHOUSE_KILL_TOKEN`` none (kill disabled)
+``kill_token``                      ``FTDIST_LIGHTHOUSE_KILL_TOKEN`` none
+``token``                           ``FTDIST_JOB_TOKEN[_FILE]``     none (open)
+``tls_cert``, ``tls_key``           ``FTDIST_TLS_CERT``, ``_KEY``   none (plaintext)
 =================================== =============================== ==========
+
+The job token and the TLS files are read by :mod:`ftdist._auth`, like every
+other process of the job reads them. The caps (``max_replica_ids``,
+``max_subscribers``, ``max_parked_per_replica``, ``max_data_bytes``) are
+Python settings only; docs/security.md explains them.
 
 The two join-timeout defaults are torchft's: its Python ``LighthouseServer``
 defaults to 100 ms (tests want quick quorums), its command line to 60 s
@@ -28,8 +35,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
+
+from ftdist._auth import job_token, tls_files
 
 __all__ = [
     "API_DEFAULTS",
@@ -68,6 +77,14 @@ CLI_DEFAULTS: Mapping[str, object] = {
 """Defaults of ``ftdist lighthouse`` (torchft's ``torchft_lighthouse`` defaults)."""
 
 _DEFAULT_MAX_DATA_BYTES = 64 * 1024
+# Far above any job (1024 replica groups of 8 ranks open 8192 failure-news
+# streams); they bound what clients that misbehave can make the lighthouse hold.
+_DEFAULT_MAX_REPLICA_IDS = 65536
+_DEFAULT_MAX_SUBSCRIBERS = 16384
+# A manager has one quorum request parked, two while a retry overlaps a call
+# the lighthouse has not yet seen cancelled.
+_DEFAULT_MAX_PARKED_PER_REPLICA = 4
+_CAPS = ("max_data_bytes", "max_replica_ids", "max_subscribers", "max_parked_per_replica")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -84,9 +101,20 @@ class LighthouseConfig:
         heartbeat_timeout: a replica group silent for this long is dead.
         http_port: dashboard port on the bind host; 0 picks a free port,
             None turns the dashboard off.
-        kill_token: shared secret that enables the dashboard's kill action;
-            None disables it.
+        kill_token: a secret that enables the dashboard's kill action (kept
+            for compatibility; the job token enables and authorizes it too).
+        token: the job token every RPC and dashboard action needs; None
+            leaves the lighthouse open.
+        tls_cert: the PEM certificate chain served over TLS; None serves
+            plaintext.
+        tls_key: that certificate's private key (PEM file).
         max_data_bytes: largest ``QuorumMember.data`` accepted.
+        max_replica_ids: most replica ids whose heartbeat is remembered; a
+            new id beyond it is refused (RESOURCE_EXHAUSTED) unless an
+            expired one can be forgotten.
+        max_subscribers: most failure-news streams open at once.
+        max_parked_per_replica: most quorum requests of one replica id
+            waiting at once.
     """
 
     bind: str
@@ -95,8 +123,14 @@ class LighthouseConfig:
     quorum_tick: timedelta
     heartbeat_timeout: timedelta
     http_port: int | None = 0
-    kill_token: str | None = None
+    kill_token: str | None = field(default=None, repr=False)
+    token: str | None = field(default=None, repr=False)
+    tls_cert: str | None = None
+    tls_key: str | None = None
     max_data_bytes: int = _DEFAULT_MAX_DATA_BYTES
+    max_replica_ids: int = _DEFAULT_MAX_REPLICA_IDS
+    max_subscribers: int = _DEFAULT_MAX_SUBSCRIBERS
+    max_parked_per_replica: int = _DEFAULT_MAX_PARKED_PER_REPLICA
 
     def __post_init__(self) -> None:
         """Validate every field.
@@ -120,6 +154,13 @@ class LighthouseConfig:
             raise ValueError("kill_token must be None (kill disabled) or a non-empty string.")
         if self.max_data_bytes < 0:
             raise ValueError(f"max_data_bytes ({self.max_data_bytes}) must not be negative.")
+        for name in _CAPS[1:]:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be at least 1.")
+        if self.token is not None and not self.token:
+            raise ValueError("token must be None (no job token) or a non-empty string.")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both or neither.")
 
 
 def _duration(name: str, value: object) -> timedelta:
@@ -158,9 +199,14 @@ def resolve_lighthouse_config(
         environ: the environment to read; ``os.environ`` when None.
         **explicit: settings by name (``bind``, ``min_replicas``,
             ``join_timeout_ms``, ``quorum_tick_ms``, ``heartbeat_timeout_ms``,
-            ``http_port``, ``kill_token``, ``max_data_bytes``); a value of None
-            means "not given". Durations are milliseconds or timedeltas. An
-            ``http_port`` below 0 turns the dashboard off.
+            ``http_port``, ``kill_token``, ``token``, ``token_file``,
+            ``tls_cert``, ``tls_key`` and the caps ``max_data_bytes``,
+            ``max_replica_ids``, ``max_subscribers``,
+            ``max_parked_per_replica``); a value of None means "not given".
+            Durations are milliseconds or timedeltas. An ``http_port`` below
+            0 turns the dashboard off. ``token``/``token_file`` fall back to
+            ``FTDIST_JOB_TOKEN``/``FTDIST_JOB_TOKEN_FILE``, the TLS files to
+            ``FTDIST_TLS_CERT``/``FTDIST_TLS_KEY``.
 
     Returns:
         The validated config.
@@ -169,9 +215,10 @@ def resolve_lighthouse_config(
         TypeError: on an unknown setting name.
         ValueError: when a value (explicit or from the environment) is invalid
             or ``min_replicas`` is given nowhere.
+        OSError: the token file cannot be read.
     """
     env = os.environ if environ is None else environ
-    known = {*ENV_VARS, "max_data_bytes"}
+    known = {*ENV_VARS, *_CAPS, "token", "token_file", "tls_cert", "tls_key"}
     unknown = set(explicit) - known
     if unknown:
         raise TypeError(f"unknown lighthouse settings: {sorted(unknown)}")
@@ -193,7 +240,19 @@ def resolve_lighthouse_config(
     if http_port is not None and http_port < 0:
         http_port = None
     kill_token = pick("kill_token")
-    max_data = pick("max_data_bytes")
+    token = job_token(
+        None if explicit.get("token") is None else str(explicit["token"]),
+        env,
+        token_file=None if explicit.get("token_file") is None else str(explicit["token_file"]),
+    )
+    tls = tls_files(
+        cert=None if explicit.get("tls_cert") is None else str(explicit["tls_cert"]),
+        key=None if explicit.get("tls_key") is None else str(explicit["tls_key"]),
+        environ=env,
+    )
+    caps = {
+        name: _integer(name, explicit[name]) for name in _CAPS if explicit.get(name) is not None
+    }
     return LighthouseConfig(
         bind=str(pick("bind")),
         min_replicas=_integer("min_replicas", min_replicas),
@@ -202,7 +261,8 @@ def resolve_lighthouse_config(
         heartbeat_timeout=_duration("heartbeat_timeout_ms", pick("heartbeat_timeout_ms")),
         http_port=http_port,
         kill_token=None if kill_token is None else str(kill_token),
-        max_data_bytes=(
-            _DEFAULT_MAX_DATA_BYTES if max_data is None else _integer("max_data_bytes", max_data)
-        ),
+        token=token,
+        tls_cert=tls.cert,
+        tls_key=tls.key,
+        **caps,
     )

@@ -152,6 +152,8 @@ class LighthouseEngine:
         settings: the quorum rule's knobs.
         clock: monotonic time source in seconds (tests may inject one).
         wall_clock: wall time source in seconds since the epoch.
+        max_replica_ids: most replica ids whose heartbeat is remembered
+            (see :meth:`admit`).
     """
 
     def __init__(
@@ -160,8 +162,13 @@ class LighthouseEngine:
         *,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        max_replica_ids: int = 65536,
     ) -> None:
         self.settings = settings
+        self.max_replica_ids = max_replica_ids
+        # At most one sweep for expired ids between ticks, so that a flood of
+        # new ids against a full table costs O(1) per request.
+        self._may_sweep = True
         self._clock = clock
         self._wall_clock = wall_clock
         self.state: LighthouseState[Member] = LighthouseState()
@@ -195,6 +202,32 @@ class LighthouseEngine:
     def heartbeat(self, replica_id: str) -> None:
         """Record a heartbeat from ``replica_id``."""
         self.state.heartbeats[replica_id] = self._clock()
+
+    def admit(self, replica_id: str) -> bool:
+        """Whether a request naming ``replica_id`` may be recorded.
+
+        Known ids always are. A new id is refused while ``max_replica_ids``
+        ids are remembered, unless expired ones (silent for a heartbeat
+        timeout, so unhealthy either way: the rule decides the same without
+        them) can be forgotten to make room; that sweep runs at most once
+        per tick.
+        """
+        heartbeats = self.state.heartbeats
+        if replica_id in heartbeats or len(heartbeats) < self.max_replica_ids:
+            return True
+        if self._may_sweep:
+            self._may_sweep = False
+            now = self._clock()
+            timeout = self.settings.heartbeat_timeout_s
+            expired = [rid for rid, seen in heartbeats.items() if now - seen >= timeout]
+            for rid in expired:
+                del heartbeats[rid]
+            self._expired_at_tick = max(0, self._expired_at_tick - len(expired))
+        return len(heartbeats) < self.max_replica_ids
+
+    def parked(self, replica_id: str) -> int:
+        """How many quorum requests of ``replica_id`` are waiting."""
+        return len(self._waiters.get(replica_id, ()))
 
     def join(self, member: Member, deliver: Deliver) -> object:
         """Park a quorum request until a quorum containing its requester forms.
@@ -346,6 +379,7 @@ class LighthouseEngine:
         if self.closed:
             return None
         now = self._clock()
+        self._may_sweep = True
         heartbeats = self.state.heartbeats
         timeout = self.settings.heartbeat_timeout_s
         forget_before = now - timeout * _FORGET_AFTER_TIMEOUTS

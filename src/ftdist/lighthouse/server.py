@@ -30,6 +30,12 @@ needs no locks; the dashboard's threads read it by scheduling work there. The co
 :meth:`LighthouseServer.shutdown` stops and joins everything it started.
 Requests that fail validation get ``INVALID_ARGUMENT`` naming the field, and
 never disturb the other clients.
+
+With a job token (:mod:`ftdist._auth`) every call must carry it; one that
+does not is answered ``UNAUTHENTICATED`` before its request is read. Caps in
+the config bound what any client can make the lighthouse hold (replica ids,
+parked requests per id, event streams, field sizes); past one the call gets
+``RESOURCE_EXHAUSTED`` and nothing is recorded.
 """
 
 from __future__ import annotations
@@ -45,8 +51,10 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from ftdist._auth import tls_files, warn_if_open
 from ftdist._rpc import common as _rpc
 from ftdist._rpc._proto import ftdist_pb2, torchft_pb2
+from ftdist._rpc.auth import metadata_refusal, server_credentials
 from ftdist._rpc.cq_server import CompletionQueueServer, RpcCall
 from ftdist.lighthouse.config import LighthouseConfig, resolve_lighthouse_config
 from ftdist.lighthouse.dashboard import DashboardServer
@@ -61,6 +69,8 @@ logger = logging.getLogger("ftdist.lighthouse.server")
 
 _MAX_FIELD_BYTES = 4096
 _MAX_HANDLES_BYTES = 1024 * 1024
+# One reconfigure handle per group rank.
+_MAX_HANDLES = 65536
 _SHUTDOWN_GRACE_S = 1.0
 # A subscriber this far behind has its stream ended rather than grow memory
 # without bound; it can subscribe again.
@@ -96,6 +106,11 @@ def _check_member(member: torchft_pb2.QuorumMember, max_data_bytes: int) -> str 
     size = _too_long(member.data, max_data_bytes)
     if size:
         return f"requester.data is {size} bytes; the limit is {max_data_bytes}"
+    if len(member.reconfigure_handles) > _MAX_HANDLES:
+        return (
+            f"requester.reconfigure_handles has {len(member.reconfigure_handles)} entries; "
+            f"the limit is {_MAX_HANDLES}"
+        )
     if member.reconfigure_handles:
         size = _too_long("".join(member.reconfigure_handles), _MAX_HANDLES_BYTES)
         if size:
@@ -166,7 +181,13 @@ class LighthouseServer:
             (default 5000 ms).
         http_port: dashboard port on the bind host; 0 picks a free port
             (default), a negative value turns the dashboard off.
-        kill_token: shared secret that enables the dashboard's kill action.
+        kill_token: a secret that enables the dashboard's kill action
+            (the job token enables and authorizes it too).
+        token: the job token every call must carry (default
+            ``FTDIST_JOB_TOKEN``, then ``FTDIST_JOB_TOKEN_FILE``; none: open).
+        tls_cert: PEM certificate chain to serve gRPC over TLS (default
+            ``FTDIST_TLS_CERT``).
+        tls_key: its private key (default ``FTDIST_TLS_KEY``).
         config: a complete config instead of the arguments above.
 
     The timeouts also accept a ``timedelta``. Settings left as None come from
@@ -175,7 +196,8 @@ class LighthouseServer:
 
     Raises:
         ValueError: if a setting is invalid.
-        OSError: if the gRPC or HTTP port cannot be bound.
+        OSError: if the gRPC or HTTP port cannot be bound, or a token or TLS
+            file cannot be read.
     """
 
     def __init__(
@@ -188,6 +210,9 @@ class LighthouseServer:
         *,
         http_port: int | None = None,
         kill_token: str | None = None,
+        token: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
         config: LighthouseConfig | None = None,
     ) -> None:
         if config is None:
@@ -199,6 +224,9 @@ class LighthouseServer:
                 heartbeat_timeout_ms=heartbeat_timeout_ms,
                 http_port=http_port,
                 kill_token=kill_token,
+                token=token,
+                tls_cert=tls_cert,
+                tls_key=tls_key,
             )
         self.config = config
         self._host, _ = _split_bind(config.bind)
@@ -207,8 +235,10 @@ class LighthouseServer:
                 min_replicas=config.min_replicas,
                 join_timeout_s=config.join_timeout.total_seconds(),
                 heartbeat_timeout_s=config.heartbeat_timeout.total_seconds(),
-            )
+            ),
+            max_replica_ids=config.max_replica_ids,
         )
+        credentials = server_credentials(tls_files(config.tls_cert, config.tls_key, environ={}))
         self._server = CompletionQueueServer(
             config.bind,
             {
@@ -221,6 +251,12 @@ class LighthouseServer:
             tick=self._tick,
             tick_period_s=config.quorum_tick.total_seconds(),
             thread_name="ftdist-lighthouse",
+            auth=(
+                None
+                if config.token is None
+                else functools.partial(metadata_refusal, token=config.token, what="this lighthouse")
+            ),
+            credentials=credentials,
         )
         # Quorum calls parked since the last tick, not yet watched for
         # cancellation (see _tick).
@@ -228,6 +264,7 @@ class LighthouseServer:
         self._shutdown_lock = threading.Lock()
         self._closed = False
         self._port = self._server.start()
+        warn_if_open(config.token, "This lighthouse")
         self._dashboard: DashboardServer | None = None
         if config.http_port is not None:
             try:
@@ -237,6 +274,7 @@ class LighthouseServer:
                     status=self._status,
                     kill=self._kill,
                     kill_token=config.kill_token,
+                    job_token=config.token,
                 )
             except BaseException:
                 self.shutdown()
@@ -325,7 +363,9 @@ class LighthouseServer:
         if address is None:
             raise LookupError(f"replica {replica_id!r} is not in the current quorum")
         logger.warning("Killing replica %s (manager %s) from the dashboard", replica_id, address)
-        kill_manager(address, "killed from dashboard", timeout=timedelta(seconds=10))
+        kill_manager(
+            address, "killed from dashboard", timeout=timedelta(seconds=10), token=self.config.token
+        )
         return str(address)
 
     # -- RPC handlers (on the server thread) ----------------------------------
@@ -340,6 +380,16 @@ class LighthouseServer:
         problem = _check_member(message.requester, self.config.max_data_bytes)
         if problem is not None:
             rpc.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            return
+        replica_id = message.requester.replica_id
+        if self._engine.parked(replica_id) >= self.config.max_parked_per_replica:
+            rpc.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.config.max_parked_per_replica} quorum requests of {replica_id!r} "
+                "are already waiting; cancel one before asking again",
+            )
+            return
+        if not self._admit(rpc, replica_id):
             return
 
         def deliver(formed: FormedQuorum | None) -> None:
@@ -378,12 +428,36 @@ class LighthouseServer:
                 f"replica_id is longer than {_MAX_FIELD_BYTES} bytes",
             )
             return
+        if not self._admit(rpc, replica_id):
+            return
         self._engine.heartbeat(replica_id)
         rpc.reply(b"")
+
+    def _admit(self, rpc: RpcCall, replica_id: str) -> bool:
+        if self._engine.admit(replica_id):
+            return True
+        rpc.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"the lighthouse already tracks {self.config.max_replica_ids} replica ids "
+            "(max_replica_ids), none expired; a new one is refused",
+        )
+        return False
 
     def _handle_subscribe(self, rpc: RpcCall, request: bytes) -> None:
         message = _decode(rpc, ftdist_pb2.SubscribeRequest, request)
         if message is None:
+            return
+        if _too_long(message.replica_id, _MAX_FIELD_BYTES):
+            rpc.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"replica_id is longer than {_MAX_FIELD_BYTES} bytes",
+            )
+            return
+        if self._engine.num_subscribers >= self.config.max_subscribers:
+            rpc.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.config.max_subscribers} event streams are open (max_subscribers)",
+            )
             return
         logger.debug("Event subscriber %r joined", message.replica_id)
         engine = self._engine

@@ -108,7 +108,9 @@ def build_status(engine: LighthouseEngine, config: LighthouseConfig) -> dict[str
             "join_timeout_ms": config.join_timeout / dt.timedelta(milliseconds=1),
             "quorum_tick_ms": config.quorum_tick / dt.timedelta(milliseconds=1),
             "heartbeat_timeout_ms": config.heartbeat_timeout / dt.timedelta(milliseconds=1),
-            "kill_enabled": config.kill_token is not None,
+            "kill_enabled": config.kill_token is not None or config.token is not None,
+            "token_required": config.token is not None,
+            "tls": config.tls_cert is not None,
         },
         "uptime_s": _round3(now - engine.started_at),
     }

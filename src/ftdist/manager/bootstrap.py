@@ -24,6 +24,7 @@ from ftdist.manager.client import ManagerClient
 from ftdist.manager.config import ManagerConfig
 from ftdist.manager.news import FailureNews
 from ftdist.manager.server import ManagerServer
+from ftdist.process_group._store import host_store
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +55,8 @@ def bootstrap(settings: ManagerConfig, replica_id: str | None) -> Bootstrap:
     """
     own: dist.TCPStore | None = None
     if settings.store_addr is None:
-        own = dist.TCPStore(
-            "0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=settings.connect_timeout
-        )
+        # No authentication: it listens only where peers reach it (see host_store).
+        own = host_store(settings.hostname, settings.connect_timeout)
         tcp: dist.Store = own
         advertised = f"{settings.hostname}:{own.port}"
     else:

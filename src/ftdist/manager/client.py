@@ -11,9 +11,11 @@ from typing import Any, Protocol
 
 import grpc
 
+from ftdist._auth import job_token, tls_files
 from ftdist._durations import to_seconds
 from ftdist._rpc import common as _rpc
 from ftdist._rpc._proto import torchft_pb2
+from ftdist._rpc.auth import call_metadata, open_channel
 from ftdist.errors import CoordinationError, CoordinationTimeoutError
 from ftdist.manager.rule import QuorumResult
 
@@ -77,17 +79,21 @@ class ManagerClient:
     Args:
         addr: ``http://host:port`` or ``host:port``.
         connect_timeout: how long to wait for the server to be reachable.
+        token: the job token sent with every call (default
+            ``FTDIST_JOB_TOKEN``, then ``FTDIST_JOB_TOKEN_FILE``).
+
+    TLS follows ``FTDIST_TLS_CA`` (see :mod:`ftdist._auth`).
 
     Raises:
-        ValueError: malformed address.
+        ValueError: malformed address or token.
+        OSError: a token or TLS file cannot be read.
         CoordinationError: the server is unreachable within ``connect_timeout``.
     """
 
-    def __init__(self, addr: str, connect_timeout: timedelta) -> None:
+    def __init__(self, addr: str, connect_timeout: timedelta, token: str | None = None) -> None:
         self.addr = addr
-        self._channel = grpc.insecure_channel(
-            _rpc.grpc_target(addr), options=_rpc.client_channel_options()
-        )
+        self._metadata = call_metadata(job_token(token))
+        self._channel = open_channel(addr, _rpc.client_channel_options(), tls_files())
         try:
             grpc.channel_ready_future(self._channel).result(
                 timeout=to_seconds(connect_timeout, "connect_timeout")
@@ -120,7 +126,7 @@ class ManagerClient:
 
     def _call(self, rpc: Any, request: Any, timeout: timedelta | float, what: str) -> Any:
         try:
-            return rpc(request, timeout=to_seconds(timeout, "timeout"))
+            return rpc(request, timeout=to_seconds(timeout, "timeout"), metadata=self._metadata)
         except grpc.RpcError as exc:
             raise _rpc.map_rpc_error(exc, f"manager {what}") from exc
 
@@ -234,7 +240,9 @@ class ManagerClient:
         self.close()
 
 
-def kill_manager(address: str, msg: str, timeout: timedelta | float) -> None:
+def kill_manager(
+    address: str, msg: str, timeout: timedelta | float, token: str | None = None
+) -> None:
     """Ask a replica group's ManagerServer to exit, via its ``Kill`` RPC.
 
     A manager exits inside the call, so a connection that drops after the
@@ -245,16 +253,19 @@ def kill_manager(address: str, msg: str, timeout: timedelta | float) -> None:
         address: the manager's address (``http://host:port`` or ``host:port``).
         msg: the reason, which the manager logs.
         timeout: how long to try to connect and call.
+        token: the job token (default ``FTDIST_JOB_TOKEN``, then
+            ``FTDIST_JOB_TOKEN_FILE``).
 
     Raises:
-        ValueError: if the address is malformed.
+        ValueError: if the address or token is malformed.
+        OSError: if a token or TLS file cannot be read.
         CoordinationError: if the manager cannot be reached or refuses.
         CoordinationTimeoutError: if the manager does not answer in time.
     """
     seconds = to_seconds(timeout, "timeout")
-    target = _rpc.grpc_target(address)
+    metadata = call_metadata(job_token(token))
     deadline = time.monotonic() + seconds
-    with grpc.insecure_channel(target, options=_rpc.client_channel_options()) as channel:
+    with open_channel(address, _rpc.client_channel_options(), tls_files()) as channel:
         # Connect first, and give up at the first failed attempt: a dead
         # manager should not keep the dashboard waiting for the whole timeout.
         states: queue.SimpleQueue[grpc.ChannelConnectivity] = queue.SimpleQueue()
@@ -282,7 +293,11 @@ def kill_manager(address: str, msg: str, timeout: timedelta | float) -> None:
             response_deserializer=torchft_pb2.KillResponse.FromString,
         )
         try:
-            call(torchft_pb2.KillRequest(msg=msg), timeout=max(0.001, deadline - time.monotonic()))
+            call(
+                torchft_pb2.KillRequest(msg=msg),
+                timeout=max(0.001, deadline - time.monotonic()),
+                metadata=metadata,
+            )
         except grpc.RpcError as exc:
             if isinstance(exc, grpc.Call) and exc.code() is grpc.StatusCode.UNAVAILABLE:
                 return  # the manager exited before answering, as intended

@@ -19,6 +19,10 @@ that disagree on the step (or vote on different steps) get a clear error.
 
 Calls are few (a handful per rank per step), so each call is served on a
 thread of a pool and simply waits for its round to finish.
+
+With a job token (:mod:`ftdist._auth`) every call must carry it, ``Kill``
+included; the others are answered UNAUTHENTICATED before any handler runs.
+With ``FTDIST_TLS_CERT``/``FTDIST_TLS_KEY`` the port serves TLS.
 """
 
 from __future__ import annotations
@@ -35,13 +39,19 @@ from typing import Any
 
 import grpc
 
+from ftdist._auth import job_token, tls_files, warn_if_open
 from ftdist._rpc import common as _rpc
 from ftdist._rpc._proto import torchft_pb2
+from ftdist._rpc.auth import TokenInterceptor, server_credentials
 from ftdist.lighthouse.client import LighthouseClient
 from ftdist.lighthouse.types import Quorum
 from ftdist.manager.rule import compute_quorum_results, find_divergence
 
 logger = logging.getLogger(__name__)
+
+# A quorum request's fingerprint travels to the lighthouse in the member's
+# data, which the lighthouse caps at 64 KiB.
+_MAX_FINGERPRINT_BYTES = 64 * 1024
 
 
 @dataclass
@@ -70,11 +80,14 @@ class ManagerServer:
         heartbeat_interval: between lighthouse heartbeats.
         connect_timeout: connecting to the lighthouse.
         quorum_retries: extra lighthouse quorum attempts after a failure.
+        token: the job token every call must carry, also sent to the
+            lighthouse (default ``FTDIST_JOB_TOKEN``, then
+            ``FTDIST_JOB_TOKEN_FILE``; none: open).
 
     Raises:
-        ValueError: ``world_size < 1`` or a malformed address.
+        ValueError: ``world_size < 1``, a malformed address or token.
         CoordinationError: the lighthouse is unreachable within ``connect_timeout``.
-        OSError: ``bind`` cannot be bound.
+        OSError: ``bind`` cannot be bound, or a token or TLS file cannot be read.
     """
 
     def __init__(
@@ -88,16 +101,19 @@ class ManagerServer:
         heartbeat_interval: timedelta,
         connect_timeout: timedelta,
         quorum_retries: int = 0,
+        token: str | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        token = job_token(token)
+        credentials = server_credentials(tls_files())
         self._replica_id = replica_id
         self._hostname = hostname
         self._store_addr = store_addr
         self._world_size = world_size
         self._heartbeat_s = heartbeat_interval.total_seconds()
         self._quorum_retries = quorum_retries
-        self._lighthouse = LighthouseClient(lighthouse_addr, connect_timeout)
+        self._lighthouse = LighthouseClient(lighthouse_addr, connect_timeout, token=token)
         self._lock = threading.Lock()
         self._quorum_round = _Round()
         self._commit_round = _Round()
@@ -107,7 +123,11 @@ class ManagerServer:
         self._pool = ThreadPoolExecutor(
             max_workers=2 * world_size + 8, thread_name_prefix="ftdist-mgr"
         )
-        self._server = grpc.server(self._pool, options=_rpc.server_options())
+        self._server = grpc.server(
+            self._pool,
+            options=_rpc.server_options(),
+            interceptors=[TokenInterceptor(token, "this manager server")] if token else None,
+        )
         handlers = {
             "Quorum": grpc.unary_unary_rpc_method_handler(
                 self._quorum,
@@ -133,10 +153,14 @@ class ManagerServer:
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(_rpc.MANAGER_SERVICE, handlers),)
         )
-        self._port = self._server.add_insecure_port(bind)
+        if credentials is None:
+            self._port = self._server.add_insecure_port(bind)
+        else:
+            self._port = self._server.add_secure_port(bind, credentials)
         if not self._port:
             raise OSError(f"cannot bind the manager server to {bind}")
         self._server.start()
+        warn_if_open(token, "This manager server")
         self._heartbeat = threading.Thread(
             target=self._heartbeat_loop, name="ftdist-mgr-heartbeat", daemon=True
         )
@@ -186,6 +210,10 @@ class ManagerServer:
             )
         if request.step < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {request.step} is negative")
+        if request.fingerprint:
+            problem = _fingerprint_problem(request.fingerprint)
+            if problem:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         with self._lock:
             self._metadata[rank] = request.checkpoint_metadata
             current = self._quorum_round
@@ -342,3 +370,16 @@ class ManagerServer:
         # Answer first, then exit: the caller learns the kill landed.
         threading.Timer(0.1, os._exit, args=(1,)).start()
         return torchft_pb2.KillResponse()
+
+
+def _fingerprint_problem(fingerprint: str) -> str:
+    """What is wrong with a quorum request's fingerprint ("" if nothing)."""
+    if len(fingerprint) > _MAX_FINGERPRINT_BYTES:
+        return (
+            f"fingerprint is {len(fingerprint)} characters; the limit is {_MAX_FINGERPRINT_BYTES}"
+        )
+    try:
+        parsed = json.loads(fingerprint)
+    except (ValueError, RecursionError):
+        return "fingerprint is not JSON"
+    return "" if isinstance(parsed, dict) else "fingerprint is not a JSON object"

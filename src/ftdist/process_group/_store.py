@@ -1,8 +1,14 @@
-"""Store addresses: ``host:port/prefix`` parsing and client creation."""
+"""Store addresses: ``host:port/prefix`` parsing, client creation, and the
+listening address of a replica group's own store."""
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
+import os
+import socket
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -123,3 +129,96 @@ def create_store_client(store_addr: str, timeout: timedelta = timedelta(seconds=
         addr.host, addr.port, is_master=False, wait_for_workers=False, timeout=timeout
     )
     return dist.PrefixStore(addr.prefix, tcp)
+
+
+ENV_STORE_BIND = "FTDIST_STORE_BIND"
+
+
+def store_bind_host(hostname: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The address a replica group's own TCPStore listens on; None for every interface.
+
+    A TCPStore has no authentication, so it listens only where its peers
+    reach it: ``FTDIST_STORE_BIND`` when set (``0.0.0.0`` or ``::`` for every
+    interface), else the advertised ``hostname`` when it is an IP address
+    (``127.0.0.1`` keeps a single-host job on loopback), else the one
+    address ``hostname`` resolves to when that is not a loopback address.
+    A name that resolves to loopback (as Debian maps the host's own name)
+    or to several addresses gives no safe choice: every interface, as
+    torch does.
+
+    Args:
+        hostname: the name peers use for this host.
+        environ: the environment to read (``os.environ`` when None).
+
+    Returns:
+        An IP address, or None.
+    """
+    env = os.environ if environ is None else environ
+    explicit = env.get(ENV_STORE_BIND, "").strip().strip("[]")
+    if explicit:
+        return None if explicit in ("0.0.0.0", "::", "*") else explicit
+    candidate = hostname.strip().strip("[]")
+    try:
+        literal = ipaddress.ip_address(candidate)
+    except ValueError:
+        pass
+    else:
+        return None if literal.is_unspecified else candidate
+    try:
+        infos = socket.getaddrinfo(candidate, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return None
+    addresses = {str(info[4][0]) for info in infos}
+    if len(addresses) != 1:
+        return None
+    (address,) = addresses
+    try:
+        resolved = ipaddress.ip_address(address)
+    except ValueError:  # a scoped IPv6 address: leave it to torch
+        return None
+    return None if resolved.is_loopback else address
+
+
+def host_store(
+    hostname: str, timeout: timedelta, environ: Mapping[str, str] | None = None
+) -> dist.TCPStore:
+    """Start a TCPStore server on a free port of :func:`store_bind_host`'s address.
+
+    Args:
+        hostname: the name peers use for this host.
+        timeout: the store's operation timeout.
+        environ: the environment to read (``os.environ`` when None).
+
+    Returns:
+        The store (its ``port`` is the bound port).
+
+    Raises:
+        OSError: the address cannot be bound.
+        RuntimeError: torch cannot start the store.
+    """
+    host = store_bind_host(hostname, environ)
+    if host is None:
+        return dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    port = sock.getsockname()[1]
+    fd = sock.detach()  # the store owns the socket from here on and closes it
+    try:
+        return dist.TCPStore(
+            host,
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timeout,
+            master_listen_fd=fd,
+        )
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
