@@ -31,10 +31,12 @@ from torch.utils._pytree import tree_flatten_with_path
 
 from ftdist.checkpointing import CheckpointTransport
 from ftdist.checkpointing._wire import crc_update
+from ftdist.errors import StateDivergenceError
 
 if TYPE_CHECKING:
     from ftdist.manager.client import ManagerClientLike
     from ftdist.manager.rule import QuorumResult
+    from ftdist.manager.state import ConsistencyParts, UserState
 
 # Parts are named by this many leading path components, e.g.
 # "user/default/optim/param_groups": fine enough to say what differs, coarse enough
@@ -227,3 +229,36 @@ class Healer:
         sources, self._sources = self._sources, {}
         for client in sources.values():
             client.close()
+
+
+def load_received(
+    state: dict[str, Any],
+    user_state: UserState,
+    consistency: ConsistencyParts,
+    timeline: HealTimeline,
+) -> StateDivergenceError | None:
+    """Load the user part of a received state; check the consistency parts.
+
+    The consistency parts must now be what the source had: a load function
+    that skips something (a learning rate, say) would leave this replica
+    silently different.
+
+    Returns:
+        The divergence to record, or None.
+
+    Raises:
+        KeyError: the state lacks a registered key.
+    """
+    start = time.perf_counter()
+    user_state.load(state["user"])
+    sent = state.get("consistency")
+    error = None
+    if isinstance(sent, dict) and consistency:
+        differ = differing_parts(sent, consistency.fingerprint())
+        if differ:
+            error = StateDivergenceError(
+                f"the state loaded while healing does not match the state received: {differ} "
+                "differ; make load_state_dict restore everything state_dict returns"
+            )
+    timeline.load_s = time.perf_counter() - start
+    return error

@@ -14,8 +14,11 @@ torchft's ``torchft.ManagerService`` to every rank of the group:
 
 It also heartbeats the lighthouse. Unlike torchft's server, a failed
 lighthouse call is reported to every waiting rank at once (none is left to
-wait for its own deadline), and the ranks' steps are checked: group ranks
-that disagree on the step (or vote on different steps) get a clear error.
+wait for its own deadline). Group ranks at different steps (a heal that
+reached only some of them) make the group report its oldest step, so the
+whole group heals again; votes on different steps never commit. Replicas
+whose consistency fingerprints disagree with the majority's
+(:func:`~ftdist.manager.rule.find_divergence`) heal from it.
 
 Calls are few (a handful per rank per step), so each call is served on a
 thread of a pool and simply waits for its round to finish.
@@ -43,6 +46,9 @@ from ftdist.manager.rule import compute_quorum_results, find_divergence
 
 logger = logging.getLogger(__name__)
 
+# Leaving must not hold up a process that is exiting.
+_LEAVE_TIMEOUT_S = 2.0
+
 
 @dataclass
 class _Round:
@@ -53,6 +59,7 @@ class _Round:
     done: threading.Event = field(default_factory=threading.Event)
     quorum: Quorum | None = None
     divergence: str = ""
+    diverged: frozenset[str] = frozenset()
     decision: bool = False
     error: tuple[grpc.StatusCode, str] | None = None
 
@@ -147,8 +154,21 @@ class ManagerServer:
         host = f"[{self._hostname}]" if ":" in self._hostname else self._hostname
         return f"http://{host}:{self._port}"
 
-    def shutdown(self) -> None:
-        """Stop serving and heartbeating; calls still waiting get UNAVAILABLE."""
+    def shutdown(self, leaving: bool = False) -> None:
+        """Stop serving and heartbeating; calls still waiting get UNAVAILABLE.
+
+        Args:
+            leaving: the replica group leaves the job: tell the lighthouse
+                first (best effort), so that peers neither wait for it nor
+                report it dead.
+        """
+        if leaving and not self._stopped.is_set():
+            try:
+                self._lighthouse.leave(self._replica_id, timeout=_LEAVE_TIMEOUT_S)
+            except Exception as exc:
+                logger.info(
+                    "[%s] could not tell the lighthouse it leaves: %s", self._replica_id, exc
+                )
         self._stopped.set()
         with self._lock:
             rounds = [self._quorum_round, self._commit_round]
@@ -215,6 +235,7 @@ class ManagerServer:
                 current.quorum.quorum_id,
                 current.quorum.participants,
                 request.init_sync,
+                current.diverged,
             )
         except LookupError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
@@ -241,13 +262,19 @@ class ManagerServer:
         requests: dict[int, torchft_pb2.ManagerQuorumRequest] = current.arrivals
         try:
             steps = {r: q.step for r, q in requests.items()}
+            step = min(steps.values())
             if len(set(steps.values())) > 1:
-                current.error = (
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"group ranks of {self._replica_id} disagree on the step: "
-                    f"{dict(sorted(steps.items()))}",
+                # A heal that reached some group ranks and not others (its
+                # source died mid-transfer) leaves the ranks apart. The group
+                # is as old as its oldest rank: reporting that step makes the
+                # whole group heal again, from a peer at the quorum's max step.
+                logger.warning(
+                    "[%s] group ranks are at different steps %s: reporting step %d so the "
+                    "group heals",
+                    self._replica_id,
+                    dict(sorted(steps.items())),
+                    step,
                 )
-                return
             fingerprints = {
                 str(r): json.loads(q.fingerprint) for r, q in requests.items() if q.fingerprint
             }
@@ -260,7 +287,7 @@ class ManagerServer:
                         timeout=max(0.01, deadline - time.monotonic()),
                         address=self.address(),
                         store_address=self._store_addr,
-                        step=next(iter(steps.values())),
+                        step=step,
                         world_size=self._world_size,
                         shrink_only=any(q.shrink_only for q in requests.values()),
                         data=data,
@@ -281,7 +308,10 @@ class ManagerServer:
                         return
                     time.sleep(min(0.1 * (attempt + 1), max(0.0, deadline - time.monotonic())))
             assert current.quorum is not None
-            current.divergence = find_divergence(current.quorum.participants) or ""
+            divergence = find_divergence(current.quorum.participants)
+            if divergence is not None:
+                current.divergence, current.diverged = divergence.report, divergence.minority
+                logger.warning("[%s] %s", self._replica_id, divergence.report)
         except Exception as exc:  # never leave ranks waiting on a bug
             logger.exception("quorum round failed")
             current.error = (grpc.StatusCode.INTERNAL, f"manager server error: {exc}")
