@@ -7,6 +7,7 @@ decisions and checks what the Manager did with them.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from ftdist.checkpointing import CheckpointTransport
-from ftdist.errors import CheckpointError, CoordinationTimeoutError, StateDivergenceError
+from ftdist.errors import CheckpointError, CoordinationTimeoutError
 from ftdist.manager import Manager, WorldSizeMode
 from ftdist.testing import FakeManagerClient, FakeProcessGroup, quorum_result
 
@@ -397,7 +398,7 @@ def test_a_group_applies_a_heal_only_if_every_rank_received_its_part(make: Any) 
         store_addr="unused",
         store_port=1,
     )
-    client.push_quorum(_heal_quorum(5))
+    client.push_quorum(replace(_heal_quorum(5), group_heals=True))
     client.push_vote(False)  # the other rank's transfer failed
     manager.start_quorum()
     assert not manager.should_commit()
@@ -405,9 +406,10 @@ def test_a_group_applies_a_heal_only_if_every_rank_received_its_part(make: Any) 
     # The heal vote (True: this rank received its part), then the commit
     # vote: no, the replica did not heal.
     assert [v for _, _, v in client.votes] == [True, False]
-    client.push_quorum(_heal_quorum(5))
+    client.push_quorum(replace(_heal_quorum(5), group_heals=True))
     assert step(manager)[0]
     assert manager.current_step() == 6 and model.w.tolist() == [9.0] * 3
+    assert [v for _, _, v in client.votes[2:]] == [True, True]
 
 
 def test_a_failed_quorum_fails_one_step_and_the_next_one_retries(make: Any) -> None:

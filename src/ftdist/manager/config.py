@@ -124,6 +124,7 @@ class ManagerConfig:
     heartbeat_interval: timedelta
     min_replica_size: int = 1
     max_retries: int | None = None
+    check_consistency_every: int = 0
 
     @classmethod
     def resolve(
@@ -143,6 +144,7 @@ class ManagerConfig:
         heartbeat_interval: Any = None,
         min_replica_size: Any = 1,
         max_retries: Any = None,
+        check_consistency_every: Any = None,
         needs_lighthouse: bool = False,
         env: Mapping[str, str] | None = None,
     ) -> ManagerConfig:
@@ -192,6 +194,18 @@ class ManagerConfig:
                 "a replica group of several ranks needs a shared store: pass "
                 "store_addr/store_port or set MASTER_ADDR/MASTER_PORT (torchrun does)"
             )
+        _every = _int(
+            "check_consistency_every",
+            check_consistency_every,
+            env,
+            ("FTDIST_CHECK_CONSISTENCY_EVERY",),
+            0,
+        )
+        if _every is None or _every < 0:
+            raise ValueError(
+                f"check_consistency_every must be >= 0 steps (0: only after reconfigures), "
+                f"got {_every}"
+            )
         lighthouse = lighthouse_addr or _env(env, "LIGHTHOUSE")
         if needs_lighthouse and group_rank == 0 and not lighthouse:
             raise ValueError(
@@ -219,4 +233,5 @@ class ManagerConfig:
             ),
             min_replica_size=min_replica_size,
             max_retries=max_retries,
+            check_consistency_every=_every,
         )

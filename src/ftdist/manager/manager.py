@@ -49,10 +49,10 @@ import torch.distributed as dist
 from ftdist.checkpointing import CheckpointTransport, HTTPTransport
 from ftdist.errors import (
     CollectiveTimeoutError,
-    RecoveryError,
     ExceptionWithTraceback,
     NotReconfigurableError,
     ProcessGroupAbortedError,
+    RecoveryError,
     with_traceback,
 )
 from ftdist.manager.client import ManagerClientLike
@@ -104,6 +104,10 @@ class Manager(StateRegistration):
             joining the replica group's ManagerServer; no store, server or
             lighthouse connection is made, and heal sources' checkpoint
             metadata is asked of this client too.
+        check_consistency_every: also compare the consistency parts every
+            this many steps (default ``FTDIST_CHECK_CONSISTENCY_EVERY``, else
+            0: only after each reconfigure and heal), to catch silent
+            corruption in a job whose membership does not change.
 
     Raises:
         TypeError: ``pg`` is not an ftdist ProcessGroup (also a ValueError,
@@ -138,6 +142,7 @@ class Manager(StateRegistration):
         quorum_retries: int | None = None,
         *,
         client: ManagerClientLike | None = None,
+        check_consistency_every: int | None = None,
     ) -> None:
         if not isinstance(pg, ProcessGroup):
             raise NotReconfigurableError(
@@ -152,7 +157,7 @@ class Manager(StateRegistration):
             rank=rank, world_size=world_size, store_addr=store_addr, store_port=store_port,
             hostname=hostname, heartbeat_interval=heartbeat_interval,
             min_replica_size=min_replica_size, max_retries=max_retries,
-            needs_lighthouse=client is None,
+            check_consistency_every=check_consistency_every, needs_lighthouse=client is None,
         )  # fmt: skip
         self._config = config
         self._timeout = config.timeout
@@ -222,6 +227,7 @@ class Manager(StateRegistration):
             min_replica_size=min_replica_size,
             state_for_peers=self._manager_state_dict,
             has_state=lambda: bool(self._user_state),
+            log_prefix=self._prefix,
         )
         logger.info(
             "%s manager ready (group rank %d of %d)",
@@ -318,7 +324,9 @@ class Manager(StateRegistration):
         self._outcome = None
         self._settled = False
         self._round.init_sync = self._init_sync
-        send_fingerprint, self._fingerprint_due = self._fingerprint_due, False
+        every = self._config.check_consistency_every
+        periodic = bool(every) and self._step > 0 and self._step % every == 0
+        send_fingerprint, self._fingerprint_due = self._fingerprint_due or periodic, False
         self._quorum_future = self._executor.submit(
             self._round.run,
             step=self._step,
@@ -376,20 +384,9 @@ class Manager(StateRegistration):
         for error in outcome.errors:
             self.report_error(error)
         self.heal_timelines.extend(outcome.served)
-        quorum = outcome.quorum
-        if getattr(quorum, "divergence", ""):
-            logger.warning("%s %s", self._prefix(), quorum.divergence)
-            self._fingerprint_due = True  # compare again once healed
-        if outcome.reconfigured:
-            logger.info(
-                "%s reconfigured for quorum %d: %d replica groups %s",
-                self._prefix(),
-                quorum.quorum_id,
-                quorum.replica_world_size,
-                quorum.replica_ids,
-            )
-            # Replicas that just (re)joined must agree on their state:
-            # compare fingerprints at the next quorum.
+        if outcome.reconfigured or bool(getattr(outcome.quorum, "divergence", "")):
+            # Replicas that just (re)joined, or healed after diverging, must
+            # agree on their state: compare fingerprints at the next quorum.
             self._fingerprint_due = True
         return outcome
 
@@ -401,21 +398,27 @@ class Manager(StateRegistration):
         steps; it heals again at the next quorum).
         """
         outcome = self._outcome
-        if outcome is None or not outcome.heal:
+        if outcome is None or outcome.heal_settled:
             return
-        staged, outcome.heal, outcome.staged = outcome.staged, False, None
+        outcome.heal_settled = True
+        healing, staged = outcome.heal, outcome.staged
+        outcome.heal, outcome.staged = False, None
+        group_vote = self._config.group_world_size > 1 and getattr(
+            outcome.quorum, "group_heals", False
+        )
         # Only the transfers count here: an unrelated error of the step
         # fails the step, not the heal, which still moves state and step.
-        if not self._vote(staged is not None, timeout):
+        if group_vote and not self._vote(staged is not None or not healing, timeout):
             if self._errored is None:  # keep this rank's own cause, if any
                 self.report_error(
                     RecoveryError(
-                        "not applying the received state: a rank of the replica group did not "
-                        "receive its part; the group heals again at the next quorum"
+                        "a rank of the replica group did not receive its part of the heal; "
+                        "no rank applies it, and the group heals again at the next quorum"
                     )
                 )
             return
-        assert staged is not None  # every rank voted that it received
+        if staged is None:
+            return
         error = load_received(staged.state, self._user_state, self._consistency, staged.timeline)
         self.load_state_dict(staged.state["torchft"])
         self._step = staged.step
@@ -524,9 +527,11 @@ class Manager(StateRegistration):
         else:
             self._commit_failures += 1
             if self._max_retries is not None and self._commit_failures > self._max_retries:
+                last = self._errored
                 raise RuntimeError(
                     f"should_commit failed {self._commit_failures} times consecutively, "
-                    f"exceeding max_retries={self._max_retries}; last error: {self._errored}"
+                    f"exceeding max_retries={self._max_retries}; last error: "
+                    f"{type(last).__name__ if last else 'none'}: {last}"
                 )
         return decision
 

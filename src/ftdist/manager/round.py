@@ -59,6 +59,7 @@ class RoundOutcome:
         staged: the received state, not yet applied.
         served: timelines of the states served to peers.
         errors: faults of the round; the step must not commit.
+        heal_settled: the training thread applied (or dropped) the heal.
     """
 
     quorum: ManagerQuorumResult
@@ -70,6 +71,7 @@ class RoundOutcome:
     staged: Staged | None = None
     served: list[HealTimeline] = field(default_factory=list)
     errors: list[Exception] = field(default_factory=list)
+    heal_settled: bool = False
 
 
 class QuorumRound:
@@ -89,6 +91,7 @@ class QuorumRound:
         min_replica_size: see the Manager.
         state_for_peers: the state to serve (user state and counters).
         has_state: whether any user state is registered.
+        log_prefix: names this rank in log lines.
     """
 
     def __init__(
@@ -106,6 +109,7 @@ class QuorumRound:
         min_replica_size: int,
         state_for_peers: Callable[[], dict[str, Any]],
         has_state: Callable[[], bool],
+        log_prefix: Callable[[], str] = str,
     ) -> None:
         self._client = client
         self._group_rank = group_rank
@@ -119,6 +123,7 @@ class QuorumRound:
         self._min_replica_size = min_replica_size
         self._state_for_peers = state_for_peers
         self._has_state = has_state
+        self._prefix = log_prefix
 
     def run(
         self,
@@ -153,6 +158,8 @@ class QuorumRound:
         )
         quorum_s = time.perf_counter() - start
         out = RoundOutcome(quorum)
+        if getattr(quorum, "divergence", ""):
+            logger.warning("%s %s", self._prefix(), quorum.divergence)
         out.participating_rank, out.participating_world_size = participation(
             quorum,
             async_quorum=self._async,
@@ -167,6 +174,14 @@ class QuorumRound:
             return out
         out.configured = True
         out.reconfigured = reconfigure_s is not None
+        if out.reconfigured:
+            logger.info(
+                "%s reconfigured for quorum %d: %d replica groups %s",
+                self._prefix(),
+                quorum.quorum_id,
+                quorum.replica_world_size,
+                quorum.replica_ids,
+            )
         if not allow_heal:
             return out
         if (quorum.heal or quorum.recover_dst_replica_ranks) and not self._has_state():

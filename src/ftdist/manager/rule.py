@@ -235,6 +235,17 @@ def find_divergence(members: Sequence[_HasData]) -> Divergence | None:
     )
 
 
+def heal_requests(members: Sequence[_HasData]) -> frozenset[str]:
+    """Members that ask to heal whatever their step (``data["heal"]``).
+
+    A replica group whose ranks ended up at different steps asks this: it
+    reports its oldest rank's step, and every rank heals from a peer.
+    """
+    return frozenset(
+        m.replica_id for m in members if isinstance(m.data, dict) and m.data.get("heal") is True
+    )
+
+
 def participation(
     result: QuorumResult,
     *,

@@ -42,7 +42,7 @@ from ftdist._rpc import common as _rpc
 from ftdist._rpc._proto import torchft_pb2
 from ftdist.lighthouse.client import LighthouseClient
 from ftdist.lighthouse.types import Quorum
-from ftdist.manager.rule import compute_quorum_results, find_divergence
+from ftdist.manager.rule import compute_quorum_results, find_divergence, heal_requests
 
 logger = logging.getLogger(__name__)
 
@@ -229,16 +229,20 @@ class ManagerServer:
             context.abort(*current.error)
         assert current.quorum is not None
         try:
-            result = compute_quorum_results(
-                self._replica_id,
-                rank,
-                current.quorum.quorum_id,
-                current.quorum.participants,
-                request.init_sync,
-                current.diverged,
-            )
+            results = [
+                compute_quorum_results(
+                    self._replica_id,
+                    group_rank,
+                    current.quorum.quorum_id,
+                    current.quorum.participants,
+                    request.init_sync,
+                    current.diverged,
+                )
+                for group_rank in range(self._world_size)
+            ]
         except LookupError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        result = results[rank]
         created = current.quorum.created
         return torchft_pb2.ManagerQuorumResponse(
             quorum_id=result.quorum_id,
@@ -256,6 +260,7 @@ class ManagerServer:
             replica_ids=result.replica_ids,
             divergence=current.divergence,
             quorum_created_ns=created.seconds * 1_000_000_000 + created.nanos,
+            group_heals=any(r.heal for r in results),
         )
 
     def _run_quorum(self, current: _Round, timeout: float) -> None:
@@ -278,7 +283,11 @@ class ManagerServer:
             fingerprints = {
                 str(r): json.loads(q.fingerprint) for r, q in requests.items() if q.fingerprint
             }
-            data = {"fingerprint": fingerprints} if fingerprints else None
+            data: dict[str, Any] = {"fingerprint": fingerprints} if fingerprints else {}
+            if len(set(steps.values())) > 1:
+                # Ask to heal even from peers at the reported step: a rank
+                # ahead of it must come back to the group's state.
+                data["heal"] = True
             deadline = time.monotonic() + timeout
             for attempt in range(self._quorum_retries + 1):
                 try:
@@ -290,7 +299,7 @@ class ManagerServer:
                         step=step,
                         world_size=self._world_size,
                         shrink_only=any(q.shrink_only for q in requests.values()),
-                        data=data,
+                        data=data or None,
                         commit_failures=max(q.commit_failures for q in requests.values()),
                     )
                     break
@@ -312,6 +321,7 @@ class ManagerServer:
             if divergence is not None:
                 current.divergence, current.diverged = divergence.report, divergence.minority
                 logger.warning("[%s] %s", self._replica_id, divergence.report)
+            current.diverged |= heal_requests(current.quorum.participants)
         except Exception as exc:  # never leave ranks waiting on a bug
             logger.exception("quorum round failed")
             current.error = (grpc.StatusCode.INTERNAL, f"manager server error: {exc}")
