@@ -173,7 +173,8 @@ def train(
     loss_fn = nn.MSELoss()
     attempts = 0
     try:
-        while manager.current_step() < steps:
+        stop_at = actions.get("stop_at", steps)
+        while manager.current_step() < stop_at:
             attempts += 1
             step = manager.current_step()
             if actions.get("hold_until_rejoin_at") == step and not held:

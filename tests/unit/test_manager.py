@@ -6,6 +6,7 @@ decisions and checks what the Manager did with them.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from datetime import timedelta
@@ -490,3 +491,26 @@ def test_ddp_and_the_optimizer_wrapper_register_what_must_match(make: Any) -> No
     assert manager.consistency_keys() == ["model"]
     with pytest.raises(KeyError, match="no consistency part 'optimizer'"):
         manager.unregister_consistency_fn("optimizer")
+
+
+def test_the_healer_keeps_few_source_clients_open() -> None:
+    from ftdist.manager.heal import MAX_SOURCE_CLIENTS, Healer
+
+    opened: list[FakeManagerClient] = []
+
+    def connect(address: str) -> FakeManagerClient:
+        opened.append(FakeManagerClient(metadata=address))
+        return opened[-1]
+
+    healer = Healer(MemoryTransport(state=_healed_state(1.0, 3)), timedelta(seconds=1), connect)
+    for i in range(MAX_SOURCE_CLIENTS + 3):
+        quorum = replace(_heal_quorum(3), recover_src_manager_address=f"http://src{i}:1")
+        healer.receive(quorum, 0, 0.0, 0.0)
+    healer.receive(replace(_heal_quorum(3), recover_src_manager_address="http://src6:1"), 0, 0, 0)
+    assert len(opened) == MAX_SOURCE_CLIENTS + 3  # the last address was reused
+    deadline = time.monotonic() + 10
+    while sum(c.closed for c in opened) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [c.closed for c in opened] == [True] * 3 + [False] * MAX_SOURCE_CLIENTS
+    healer.close()
+    assert all(c.closed for c in opened)

@@ -82,7 +82,7 @@ _STUCK_LOG_AFTER_S = 1.0
 # How long a replica's lost failure-news stream may take to come back before
 # the replica counts as failed. A reconnecting client is back within a few
 # hundred ms; a dead process never.
-STREAM_GRACE_S = 0.5
+STREAM_GRACE_S = 0.15
 # Left replica ids remembered (to ignore their late heartbeats and streams).
 _MAX_LEFT = 4096
 
@@ -422,6 +422,19 @@ class LighthouseEngine:
         if replica_id in self._left:
             return
         self._lost_streams.setdefault(replica_id, (self._clock(), before))
+
+    def check_lost_streams(self) -> None:
+        """Report members whose streams stayed lost for the grace, at once.
+
+        The server calls this :data:`STREAM_GRACE_S` after a stream closed,
+        so that a death is news within the grace, not at the next tick.
+        """
+        if self.closed:
+            return
+        now = self._clock()
+        self._check_lost_streams(now)
+        if self.state.participants:
+            self._evaluate(now)
 
     def _check_lost_streams(self, now: float) -> None:
         for replica_id, (since, before) in list(self._lost_streams.items()):

@@ -51,7 +51,7 @@ from ftdist._rpc._proto import ftdist_pb2, torchft_pb2
 from ftdist._rpc.cq_server import CompletionQueueServer, RpcCall
 from ftdist.lighthouse.config import LighthouseConfig, resolve_lighthouse_config
 from ftdist.lighthouse.dashboard import DashboardServer
-from ftdist.lighthouse.engine import FormedQuorum, LighthouseEngine
+from ftdist.lighthouse.engine import STREAM_GRACE_S, FormedQuorum, LighthouseEngine
 from ftdist.lighthouse.quorum import QuorumConfig
 from ftdist.lighthouse.status import build_status
 from ftdist.manager.client import kill_manager
@@ -395,6 +395,10 @@ class LighthouseServer:
         def cancelled() -> None:
             engine.unsubscribe(stream)
             engine.stream_closed(replica_id)
+            if replica_id:
+                # A process that died closes its streams at once: report it
+                # right after the reconnect grace, not at the next tick.
+                self._server.call_later(STREAM_GRACE_S + 0.005, engine.check_lost_streams)
 
         rpc.on_cancel(cancelled)
         engine.subscribe(stream)

@@ -19,8 +19,10 @@ differs instead of letting replicas drift apart silently.
 
 from __future__ import annotations
 
+import threading
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -37,6 +39,10 @@ if TYPE_CHECKING:
     from ftdist.manager.client import ManagerClientLike
     from ftdist.manager.rule import QuorumResult
     from ftdist.manager.state import ConsistencyParts, UserState
+
+# Heal sources whose clients are kept open (a restarted peer has a new
+# address; the oldest are closed beyond this many).
+MAX_SOURCE_CLIENTS = 4
 
 # Parts are named by this many leading path components, e.g.
 # "user/default/optim/param_groups": fine enough to say what differs, coarse enough
@@ -170,7 +176,8 @@ class Healer:
         self.transport = transport
         self._timeout = timeout
         self._connect = connect
-        self._sources: dict[str, ManagerClientLike] = {}
+        # Most recently used last; every restarted peer has a new address.
+        self._sources: OrderedDict[str, ManagerClientLike] = OrderedDict()
 
     def serve(
         self, quorum: QuorumResult, state: dict[str, Any], quorum_s: float, reconfigure_s: float
@@ -211,10 +218,7 @@ class Healer:
         timeline = HealTimeline(
             quorum.max_step, quorum.quorum_id, "receive", [src], quorum_s, reconfigure_s
         )
-        client = self._sources.get(quorum.recover_src_manager_address)
-        if client is None:
-            client = self._connect(quorum.recover_src_manager_address)
-            self._sources[quorum.recover_src_manager_address] = client
+        client = self._source(quorum.recover_src_manager_address)
         metadata = client.checkpoint_metadata(group_rank, self._timeout)
         start = time.perf_counter()
         state = self.transport.recv_checkpoint(src, metadata, quorum.max_step, self._timeout)
@@ -224,9 +228,20 @@ class Healer:
             raise TypeError(f"the heal source sent a {type(state).__name__}, not a state dict")
         return state, timeline
 
+    def _source(self, address: str) -> ManagerClientLike:
+        client = self._sources.pop(address, None)
+        if client is None:
+            client = self._connect(address)
+        self._sources[address] = client
+        while len(self._sources) > MAX_SOURCE_CLIENTS:
+            _, old = self._sources.popitem(last=False)
+            # Closing a gRPC channel can block ~200 ms: not on the heal path.
+            threading.Thread(target=old.close, name="ftdist-close-source", daemon=True).start()
+        return client
+
     def close(self) -> None:
         """Close the clients to heal sources."""
-        sources, self._sources = self._sources, {}
+        sources, self._sources = self._sources, OrderedDict()
         for client in sources.values():
             client.close()
 

@@ -276,11 +276,7 @@ class Manager(StateRegistration):
         """A collective of this step failed or timed out (from its completion thread)."""
         self.report_error(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
         if isinstance(exc, TimeoutError) and not isinstance(exc, CollectiveTimeoutError):
-            # Ours, not the backend's: the backend is stuck (a stopped peer,
-            # a hung Baby child). Abort it, which kills a hung child, and
-            # rebuild it at the next quorum.
-            self._membership.broken = True
-            self._pg.abort()
+            self._membership.abort_stuck()  # our deadline, not the backend's
 
     def _on_member_failed(self, replica_id: str, reason: str) -> None:
         """Failure news from the lighthouse: abort collectives that wait on the dead member."""
@@ -298,8 +294,7 @@ class Manager(StateRegistration):
     ) -> None:
         """Start this step's quorum (in the background unless ``use_async_quorum=False``).
 
-        A failed previous quorum does not stop this one: every step starts
-        afresh.
+        A failed previous quorum does not stop this one: each step starts afresh.
 
         Args:
             allow_heal: heal (or serve peers) if needed; with False this
@@ -308,9 +303,8 @@ class Manager(StateRegistration):
             timeout: overrides the quorum timeout for this round.
 
         Raises:
-            ValueError: healing is needed but no state_dict function is
-                registered (synchronous mode; asynchronous: from the next
-                wait).
+            ValueError: healing is needed but no state is registered
+                (asynchronous mode: raised by the next wait instead).
             TimeoutError: (synchronous mode only) the quorum did not form.
             RuntimeError: (synchronous mode only) the quorum call failed.
         """
@@ -325,7 +319,7 @@ class Manager(StateRegistration):
         self._settled = False
         self._round.init_sync = self._init_sync
         every = self._config.check_consistency_every
-        periodic = bool(every) and self._step > 0 and self._step % every == 0
+        periodic = every > 0 and self._step > 0 and self._step % every == 0
         send_fingerprint, self._fingerprint_due = self._fingerprint_due or periodic, False
         self._quorum_future = self._executor.submit(
             self._round.run,
