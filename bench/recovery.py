@@ -428,7 +428,7 @@ def replace_rank(
             "state_bytes": state_bytes,
             # The transport's own timing of its last transfer (private
             # attribute, read for the breakdown only).
-            "stream_s": getattr(manager._transport.last_transfer, "seconds", None),
+            "stream_s": getattr(manager._checkpoint_transport.last_transfer, "seconds", None),
             "heals": [t.as_dict() | {"gbps": t.transfer_gbps} for t in manager.heal_timelines],
         }
     finally:

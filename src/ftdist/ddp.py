@@ -52,12 +52,13 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
             **kwargs,
         )
         self.register_comm_hook(manager, self._comm_hook)
+        _check_parameters(manager, module)
 
     @staticmethod
     def _comm_hook(state: "Manager", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        # The Manager's future never fails: an error is recorded for the
-        # commit vote and the future resolves to the (unaveraged) buffer.
-        return state.allreduce(bucket.buffer()).get_future()
+        # The Manager's result is a future that never fails: an error is
+        # recorded for the commit vote and it resolves to the buffer as is.
+        return _as_future(state.allreduce(bucket.buffer()), bucket.buffer())
 
 
 class PureDistributedDataParallel(nn.Module):
@@ -80,7 +81,39 @@ class PureDistributedDataParallel(nn.Module):
 
         for p in module.parameters():
             p.register_post_accumulate_grad_hook(post_grad_hook)
+        _check_parameters(manager, module)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module."""
         return self.module(*args, **kwargs)
+
+
+def _check_parameters(manager: "Manager", module: nn.Module) -> None:
+    # Parameters must be identical on every replica at the same step; buffers
+    # (BatchNorm statistics) legitimately differ and are not compared.
+    register = getattr(manager, "register_consistency_fn", None)
+    if callable(register):
+        register("model", lambda: {n: p.detach() for n, p in module.named_parameters()})
+
+
+def _as_future(result: Any, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """The future DDP waits on, from what ``allreduce`` returned.
+
+    ftdist's Manager (and torchft's seed era) return a future of the tensor;
+    today's torchft returns a Work: wait for it, and hand DDP its future (the
+    built chain of torchft's lazy ``_ManagedFuture``). Never raises into
+    backward: a failed Work leaves the buffer as it is.
+    """
+    if isinstance(result, torch.futures.Future) and not isinstance(result, dist._Work):
+        return result
+    try:
+        ok = result.wait()
+    except Exception:
+        ok = False
+    if ok is False:
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+    fut = result.get_future()
+    inner = getattr(fut, "_fut", None)
+    return inner if isinstance(inner, torch.futures.Future) else fut

@@ -13,6 +13,8 @@ subclasses; the Manager records them and votes not to commit.
 
 from __future__ import annotations
 
+import traceback
+
 
 class FtdistError(Exception):
     """Root of every error that ftdist raises for a detected fault."""
@@ -38,6 +40,10 @@ class StateDivergenceError(FtdistError):
     """Replicas that should hold the same state do not; the step must not commit."""
 
 
+class RecoveryError(FtdistError):
+    """A heal could not be completed; the replica heals again at the next quorum."""
+
+
 class CheckpointError(CommunicationError):
     """A live checkpoint transfer failed: wrong step, truncated or corrupted."""
 
@@ -57,6 +63,48 @@ class CoordinationTimeoutError(FtdistError, TimeoutError):
     """
 
 
+class NotReconfigurableError(TypeError, ValueError):
+    """A process group that ftdist cannot reconfigure was given where it must.
+
+    A ``TypeError`` (the wrong kind of group) that is also the ``ValueError``
+    torchft raises for it.
+    """
+
+
+class ExceptionWithTraceback(FtdistError):
+    """A recorded error together with where it was raised (torchft's name).
+
+    Args:
+        e: the original exception.
+
+    Attributes:
+        original_exception: ``e``.
+        stack_trace: ``e``'s formatted traceback.
+    """
+
+    def __init__(self, e: BaseException) -> None:
+        self.original_exception = e
+        self.stack_trace = "".join(traceback.format_exception(e))
+        super().__init__(f"{e}\n{self.stack_trace}")
+
+
+def with_traceback(e: BaseException) -> BaseException:
+    """``e`` itself, carrying ``original_exception`` and ``stack_trace`` attributes.
+
+    Both generations of torchft read a recorded error: the seed era expects
+    the very exception (``manager.errored() is e``, ``raise
+    manager.errored()``), today's an object with ``.original_exception``.
+    The original, with the attributes added, is both. An exception that
+    refuses attributes is wrapped in :class:`ExceptionWithTraceback`.
+    """
+    try:
+        e.original_exception = e  # type: ignore[attr-defined]
+        e.stack_trace = "".join(traceback.format_exception(e))  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        return ExceptionWithTraceback(e)
+    return e
+
+
 __all__ = [
     "BackendProcessError",
     "CheckpointError",
@@ -64,7 +112,10 @@ __all__ = [
     "CommunicationError",
     "CoordinationError",
     "CoordinationTimeoutError",
+    "ExceptionWithTraceback",
     "FtdistError",
+    "NotReconfigurableError",
     "ProcessGroupAbortedError",
+    "RecoveryError",
     "StateDivergenceError",
 ]

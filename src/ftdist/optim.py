@@ -30,6 +30,10 @@ class OptimizerWrapper(Optimizer):
         # lives in (and is delegated to) the wrapped optimizer.
         self.optim = optim
         self.manager = manager
+        # Optimizer state must be identical on every replica at the same step.
+        register = getattr(manager, "register_consistency_fn", None)
+        if callable(register):
+            register("optimizer", optim.state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Delegate to the wrapped optimizer."""

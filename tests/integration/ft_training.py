@@ -23,15 +23,22 @@ from torch import nn
 from ftdist.launch.ranks import RankContext
 
 
-def model_and_optim(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+def model_and_optim(seed: int, batchnorm: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    if batchnorm:
+        # Running statistics follow each replica's own data: they differ
+        # between replicas, legitimately.
+        model = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 1))
+    else:
+        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
     return model, torch.optim.AdamW(model.parameters(), lr=0.01)
 
 
-def state_hash(model: nn.Module, optim: torch.optim.Optimizer) -> str:
+def state_hash(model: nn.Module, optim: torch.optim.Optimizer, buffers: bool = True) -> str:
+    """SHA-256 of the weights (and buffers) and the optimizer state."""
     h = hashlib.sha256()
-    for t in list(model.state_dict().values()):
+    tensors = model.state_dict().values() if buffers else model.parameters()
+    for t in list(tensors):
         h.update(t.detach().numpy().tobytes())
     for st in optim.state_dict()["state"].values():
         for v in st.values():
@@ -49,7 +56,7 @@ def _die_while_serving(ctx: RankContext, manager: Any) -> None:
     import threading
 
     def watch() -> None:
-        lock = manager._transport._lock
+        lock = manager._checkpoint_transport._lock
         while True:
             if lock._readers > 0:
                 if int(ctx.store().add("served_death", 1)) == 1:
@@ -103,7 +110,10 @@ def train(
         )
     replica, group_rank = divmod(ctx.rank, group_size)
     own_store, port = _replica_store(ctx, replica, group_rank, attempt)
-    model, optim = model_and_optim(seed=100 * replica + 7 * attempt + group_rank)
+    model, optim = model_and_optim(
+        seed=actions.get("seed", 100 * replica + 7 * attempt + group_rank),
+        batchnorm=actions.get("batchnorm", False),
+    )
     timeout = timedelta(seconds=actions.get("timeout_s", 10))
     commit_times: list[float] = []
     corrupted: list[bool] = []
@@ -146,6 +156,7 @@ def train(
         connect_timeout=timedelta(seconds=10),
         checkpoint_transport=PGTransport(pg, timeout) if transport == "pg" else None,
         max_retries=actions.get("max_retries"),
+        init_sync=actions.get("init_sync", True),
         **actions.get("manager_kwargs", {}),
     )
     if attempt > 0:
@@ -162,7 +173,8 @@ def train(
     loss_fn = nn.MSELoss()
     attempts = 0
     try:
-        while manager.current_step() < steps:
+        stop_at = actions.get("stop_at", steps)
+        while manager.current_step() < stop_at:
             attempts += 1
             step = manager.current_step()
             if actions.get("hold_until_rejoin_at") == step and not held:
@@ -190,11 +202,19 @@ def train(
                 error = error or manager.errored()
                 errors.append(str(error).splitlines()[0] if error else "vote failed")
             if manager.current_step() > before:
-                committed.append(before)
+                # The step that committed (a heal applied at the vote jumps
+                # the counter to the source's step first).
+                committed.append(manager.current_step() - 1)
                 commit_times.append(time.time())
                 # Only a heal served to the replacement (after the hold)
                 # counts, not the initial step-0 sync.
                 served = any(t.role == "send" for t in manager.heal_timelines[served_before:])
+                if actions.get("corrupt_at_step") == committed[-1] and not corrupted:
+                    # Silent corruption (a bit flip, say): the next
+                    # fingerprint comparison must show this replica apart.
+                    corrupted.append(True)
+                    with torch.no_grad():
+                        next(model.parameters()).add_(1e-3)
                 if actions.get("corrupt_after_heal") and held and served and not corrupted:
                     # Silent corruption right after serving a heal: the next
                     # quorum's fingerprint comparison must catch it.
@@ -215,7 +235,7 @@ def train(
         return {
             "replica": replica,
             "group_rank": group_rank,
-            "hash": state_hash(model, optim),
+            "hash": state_hash(model, optim, buffers=not actions.get("batchnorm")),
             "step": manager.current_step(),
             "batches": manager.batches_committed(),
             "committed": committed,

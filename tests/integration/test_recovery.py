@@ -237,38 +237,5 @@ def test_a_heal_that_loads_incompletely_is_reported_and_never_commits(lighthouse
         outcomes[1],
         "should_commit failed 3 times",
         "StateDivergenceError",
-        "user/default/optim/param_groups",
+        "optimizer/param_groups",
     )
-
-
-@pytest.mark.timeout(90)
-def test_replicas_that_diverge_after_a_heal_are_caught_at_the_next_quorum(lighthouse: str) -> None:
-    # The survivor corrupts its own weights right after serving a heal; the
-    # fingerprints both replicas send with the next quorum differ, and
-    # neither may commit from then on.
-    actions = {
-        0: {**SLOW, "corrupt_after_heal": True, "max_retries": 2, "hold_until_rejoin_at": 5},
-        1: {"die_at_step": 3, **SLOW},
-    }
-    with Ranks(train, 2, args=(lighthouse, 1, 30, actions)) as ranks:
-        _wait_dead(ranks, [1])
-        # The replacement must heal from the held survivor: a replacement
-        # that starts fast enough to heal before the hold would be served a
-        # heal the survivor does not count, and nothing would be corrupted.
-        control = ranks.parent_store()
-        deadline = time.monotonic() + 30
-        while not control.check(["holding"]):
-            assert time.monotonic() < deadline, "the survivor never reached its hold"
-            time.sleep(0.02)
-        ranks.restart(1, lighthouse, 1, 30, {1: {**SLOW, "max_retries": 2}}, 1)
-        outcomes = ranks.join(timeout=80)
-    # Whichever replica exhausts its retries first raises; the other saw the
-    # same divergence reported on its failed steps (and may then go on alone).
-    needle = "'user/default/model/0.weight' of group rank 0"
-    raised = [o for o in outcomes if o.error is not None]
-    assert raised, [o.value for o in outcomes]
-    for outcome in outcomes:
-        if outcome.error is not None:
-            _expect_raise(outcome, "replica state diverged after recovery", needle)
-        else:
-            assert any(needle in e for e in outcome.value["errors"]), outcome.value["errors"]

@@ -6,7 +6,9 @@ decisions and checks what the Manager did with them.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 from ftdist.checkpointing import CheckpointTransport
-from ftdist.errors import CheckpointError, CoordinationTimeoutError, StateDivergenceError
+from ftdist.errors import CheckpointError, CoordinationTimeoutError
 from ftdist.manager import Manager, WorldSizeMode
 from ftdist.testing import FakeManagerClient, FakeProcessGroup, quorum_result
 
@@ -81,13 +83,13 @@ def make() -> Iterator[Any]:
         model = model or Model()
         pg = FakeProcessGroup()
         kwargs.setdefault("min_replica_size", 1)
+        kwargs.setdefault("timeout", timedelta(seconds=5))
         manager = Manager(
             pg,
             model.load,
             model.save,
             client=client,
             checkpoint_transport=transport or MemoryTransport(),
-            timeout=timedelta(seconds=5),
             **kwargs,
         )
         managers.append(manager)
@@ -150,15 +152,17 @@ def test_failed_allreduce_votes_no_and_is_reported_to_the_next_quorum(make: Any)
     assert manager.errored() is None
 
 
-def test_errored_step_skips_later_collectives(make: Any) -> None:
+def test_errored_replica_still_takes_part_with_zeros_and_votes_no(make: Any) -> None:
+    # Its peers must not be left waiting out the collective timeout.
     manager, _, pg, _ = make()
     manager.start_quorum()
     manager.report_error(RuntimeError("data loader broke"))
     t = torch.ones(2)
-    work = manager.allreduce(t)
-    assert work.wait()
-    assert "allreduce" not in pg.ops
+    manager.allreduce(t).wait()
+    assert pg.ops == ["allreduce"]
+    assert t.tolist() == [0.0, 0.0]
     assert not manager.should_commit()
+    assert manager.current_step() == 0
 
 
 def test_max_retries_raises_after_that_many_failures_in_a_row(make: Any) -> None:
@@ -167,7 +171,7 @@ def test_max_retries_raises_after_that_many_failures_in_a_row(make: Any) -> None
     assert not step(manager)[0]
     pg.fail_next(RuntimeError("two"))
     with pytest.raises(
-        RuntimeError, match="should_commit failed 2 times in a row, more than max_retries=1"
+        RuntimeError, match="should_commit failed 2 times consecutively, exceeding max_retries=1"
     ):
         step(manager)
 
@@ -189,7 +193,7 @@ def test_the_replica_groups_vote_decides(make: Any) -> None:
 
 def test_heal_loads_the_received_state_before_the_vote(make: Any) -> None:
     received = {
-        "user": {"default": {"w": torch.full((3,), 9.0)}},
+        "user": {"w": torch.full((3,), 9.0)},
         "torchft": {"step": 5, "batches_committed": 10},
     }
     transport = MemoryTransport(state=received)
@@ -240,17 +244,32 @@ def test_serving_sends_user_and_manager_state(make: Any) -> None:
     assert step(manager)[0]
     ((dst, at_step, sent),) = transport.sent
     assert (dst, at_step) == ([1], 0)
-    assert sent["user"]["default"]["w"].tolist() == [2.0] * 3
+    # One state function: the seed-era layout, its state itself.
+    assert sent["user"]["w"].tolist() == [2.0] * 3
     assert sent["torchft"] == {"step": 0, "batches_committed": 0}
     assert transport.disallowed == 1
     assert [h.role for h in manager.heal_timelines] == ["send"]
 
 
-def test_divergence_reported_by_the_quorum_fails_the_step(make: Any) -> None:
-    manager, client, _, _ = make()
-    client.push_quorum(quorum_result(divergence="'user/default/w' differs"))
-    assert not step(manager)[0]
-    assert isinstance(manager.errored().original_exception, StateDivergenceError)  # type: ignore[union-attr]
+def test_a_diverged_minority_heals_instead_of_failing(make: Any) -> None:
+    received = {
+        "user": {"w": torch.full((3,), 7.0)},
+        "torchft": {"step": 0, "batches_committed": 0},
+    }
+    manager, client, _, model = make(transport=MemoryTransport(state=received))
+    client.push_quorum(
+        quorum_result(
+            divergence="'model/w' differs",
+            heal=True,
+            max_step=0,
+            recover_src_replica_rank=1,
+            max_replica_rank=None,
+            recover_src_manager_address="http://src:1",
+        )
+    )
+    assert step(manager)[0]
+    assert manager.errored() is None
+    assert model.w.tolist() == [7.0] * 3
 
 
 def test_spare_contributes_zeros_and_does_not_count(make: Any) -> None:
@@ -316,3 +335,201 @@ def test_shutdown_closes_the_client(make: Any) -> None:
     step(manager)
     manager.shutdown()
     assert client.closed
+
+
+def _heal_quorum(max_step: int = 5) -> Any:
+    return quorum_result(
+        heal=True,
+        max_step=max_step,
+        recover_src_replica_rank=0,
+        recover_src_manager_address="http://src:1",
+        max_replica_rank=None,
+    )
+
+
+def _healed_state(value: float, step: int) -> dict[str, Any]:
+    return {
+        "user": {"w": torch.full((3,), value)},
+        "torchft": {"step": step, "batches_committed": 2 * step},
+    }
+
+
+def test_a_heal_on_a_step_without_allreduce_is_applied_with_its_step(make: Any) -> None:
+    # LocalSGD-style: most steps run no collective at all.
+    manager, client, _, model = make(transport=MemoryTransport(state=_healed_state(9.0, 5)))
+    client.push_quorum(_heal_quorum(5))
+    manager.start_quorum()
+    assert manager.should_commit()
+    assert model.w.tolist() == [9.0] * 3
+    assert manager.current_step() == 6
+
+
+def test_a_heal_is_applied_even_when_the_step_already_failed(make: Any) -> None:
+    # The received state and its step move together, commit or not.
+    manager, client, _, model = make(transport=MemoryTransport(state=_healed_state(9.0, 5)))
+    client.push_quorum(_heal_quorum(5))
+    manager.start_quorum()
+    manager.report_error(RuntimeError("an earlier collective failed"))
+    manager.allreduce(torch.ones(2)).wait()
+    assert not manager.should_commit()
+    assert model.w.tolist() == [9.0] * 3
+    assert manager.current_step() == 5
+    # The next quorum sees this replica up to date at step 5.
+    assert step(manager)[0]
+    assert client.quorum_calls[-1].step == 5
+    assert manager.current_step() == 6
+
+
+def test_the_step_does_not_move_before_the_state_is_applied(make: Any) -> None:
+    manager, client, _, model = make(transport=MemoryTransport(state=_healed_state(9.0, 5)))
+    client.push_quorum(_heal_quorum(5))
+    manager.start_quorum()
+    manager.wait_quorum()  # the round has received the state...
+    assert manager.current_step() == 0  # ...but neither the step nor the weights moved
+    assert model.w.tolist() == [0.0] * 3
+    assert manager.should_commit()
+    assert (manager.current_step(), model.w.tolist()) == (6, [9.0] * 3)
+
+
+def test_a_group_applies_a_heal_only_if_every_rank_received_its_part(make: Any) -> None:
+    manager, client, _, model = make(
+        transport=MemoryTransport(state=_healed_state(9.0, 5)),
+        rank=0,
+        world_size=2,
+        store_addr="unused",
+        store_port=1,
+    )
+    client.push_quorum(replace(_heal_quorum(5), group_heals=True))
+    client.push_vote(False)  # the other rank's transfer failed
+    manager.start_quorum()
+    assert not manager.should_commit()
+    assert model.loads == [] and manager.current_step() == 0
+    # The heal vote (True: this rank received its part), then the commit
+    # vote: no, the replica did not heal.
+    assert [v for _, _, v in client.votes] == [True, False]
+    client.push_quorum(replace(_heal_quorum(5), group_heals=True))
+    assert step(manager)[0]
+    assert manager.current_step() == 6 and model.w.tolist() == [9.0] * 3
+    assert [v for _, _, v in client.votes[2:]] == [True, True]
+
+
+def test_a_failed_quorum_fails_one_step_and_the_next_one_retries(make: Any) -> None:
+    manager, client, _, _ = make()
+    client.push_quorum(CoordinationTimeoutError("lighthouse quorum timed out"))
+    committed, t = step(manager, 2.0)
+    assert not committed
+    assert isinstance(manager.errored(), TimeoutError)
+    assert t.tolist() == [2.0, 2.0]  # nothing ran
+    assert step(manager)[0]
+    assert manager.current_step() == 1
+
+
+def test_allreduce_result_is_a_future_of_the_tensor_and_a_work(make: Any) -> None:
+    manager, _, _, _ = make()
+    manager.start_quorum()
+    t = torch.full((2,), 3.0)
+    result = manager.allreduce(t)
+    assert isinstance(result, torch.futures.Future)
+    seen: list[float] = []
+    result.get_future().then(lambda f: seen.append(float(f.value()[0])))
+    assert result.wait() is t
+    assert seen == [3.0]  # callbacks ran before wait returned
+    assert result.value() is t and result.is_completed()
+    assert manager.should_commit()
+
+
+def test_wrap_future_records_failures_and_timeouts(make: Any) -> None:
+    manager, _, _, _ = make()
+    manager.start_quorum()
+    failing: torch.futures.Future[int] = torch.futures.Future()
+    wrapped = manager.wrap_future(failing, 7)
+    failing.set_exception(RuntimeError("peer gone"))
+    assert wrapped.wait() == 7
+    assert str(manager.errored()) == "peer gone"
+    assert manager.errored().original_exception is manager.errored()  # type: ignore[union-attr]
+    never: torch.futures.Future[int] = torch.futures.Future()
+    bounded = manager.wrap_future(never, 8, timeout=timedelta(milliseconds=10))
+    assert bounded.wait() == 8
+    assert isinstance(manager.errored(), TimeoutError)
+    assert "future did not complete within 0:00:00.010000" in str(manager.errored())
+    assert not manager.should_commit()
+
+
+def test_state_layout_follows_the_registered_keys(make: Any) -> None:
+    manager, _, _, model = make()
+    assert manager._manager_state_dict()["user"]["w"] is model.w
+    manager.set_state_dict_fns(lambda sd: None, lambda: {"new": 1})
+    assert manager._manager_state_dict()["user"] == {"new": 1}
+    manager.register_state_dict_fn("extra", lambda sd: None, lambda: {"x": 2})
+    assert manager._manager_state_dict()["user"] == {"default": {"new": 1}, "extra": {"x": 2}}
+
+
+def test_disallowed_reads_wait_for_allow(make: Any) -> None:
+    manager, _, _, _ = make(timeout=timedelta(milliseconds=200))
+    manager.disallow_state_dict_read()
+    manager.disallow_state_dict_read()  # idempotent
+    with pytest.raises(TimeoutError):
+        manager._manager_state_dict()
+    manager.allow_state_dict_read()
+    assert "user" in manager._manager_state_dict()
+
+
+def test_ddp_and_the_optimizer_wrapper_register_what_must_match(make: Any) -> None:
+    from ftdist.ddp import DistributedDataParallel
+    from ftdist.optim import OptimizerWrapper
+
+    manager, _, _, _ = make()
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    DistributedDataParallel(manager, net)
+    OptimizerWrapper(manager, torch.optim.SGD(net.parameters(), lr=0.1))
+    assert manager.consistency_keys() == ["model", "optimizer"]
+    parts = manager._consistency.fingerprint()
+    assert any(p.startswith("model/0.weight") for p in parts)
+    # BatchNorm running statistics differ between replicas legitimately.
+    assert not any("running_mean" in p for p in parts)
+    manager.unregister_consistency_fn("optimizer")
+    assert manager.consistency_keys() == ["model"]
+    with pytest.raises(KeyError, match="no consistency part 'optimizer'"):
+        manager.unregister_consistency_fn("optimizer")
+
+
+def test_the_healer_keeps_few_source_clients_open() -> None:
+    from ftdist.manager.heal import MAX_SOURCE_CLIENTS, Healer
+
+    opened: list[FakeManagerClient] = []
+
+    def connect(address: str) -> FakeManagerClient:
+        opened.append(FakeManagerClient(metadata=address))
+        return opened[-1]
+
+    healer = Healer(MemoryTransport(state=_healed_state(1.0, 3)), timedelta(seconds=1), connect)
+    for i in range(MAX_SOURCE_CLIENTS + 3):
+        quorum = replace(_heal_quorum(3), recover_src_manager_address=f"http://src{i}:1")
+        healer.receive(quorum, 0, 0.0, 0.0)
+    healer.receive(replace(_heal_quorum(3), recover_src_manager_address="http://src6:1"), 0, 0, 0)
+    assert len(opened) == MAX_SOURCE_CLIENTS + 3  # the last address was reused
+    deadline = time.monotonic() + 10
+    while sum(c.closed for c in opened) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [c.closed for c in opened] == [True] * 3 + [False] * MAX_SOURCE_CLIENTS
+    healer.close()
+    assert all(c.closed for c in opened)
+
+
+def test_fingerprints_of_large_models_fold_into_few_parts() -> None:
+    from ftdist.manager.heal import fold_parts
+    from ftdist.manager.state import MAX_PARTS, ConsistencyParts
+
+    parts = ConsistencyParts()
+    big = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(100)])
+    parts.register("model", lambda: {n: p.detach() for n, p in big.named_parameters()})
+    folded = parts.fingerprint()
+    assert len(folded) <= MAX_PARTS and set(folded) == {"model"}
+    before = dict(folded)
+    with torch.no_grad():
+        big[57].bias.add_(1)
+    assert parts.fingerprint() != before  # folding loses names, not detection
+    fine = {"a/b/c/d": 1, "a/b/c/e": 2, "x": 3}
+    assert fold_parts(fine, 3) == fine
+    assert set(fold_parts(fine, 2)) == {"a/b/c", "x"}
+    assert set(fold_parts(fine, 1)) == {"a", "x"}  # as coarse as it goes

@@ -99,6 +99,8 @@ FTDIST = {
     },
     "StatusRequest": {},
     "StatusResponse": {"status_json": 1},
+    "LeaveRequest": {"replica_id": 1},
+    "LeaveResponse": {},
 }
 
 
@@ -117,5 +119,6 @@ def test_ftdist_service() -> None:
     assert methods == {
         "Subscribe": ("SubscribeRequest", "LighthouseEvent", True),
         "Status": ("StatusRequest", "StatusResponse", False),
+        "Leave": ("LeaveRequest", "LeaveResponse", False),
     }
     assert list(ftdist_pb2.DESCRIPTOR.services_by_name) == ["LighthouseEvents"]

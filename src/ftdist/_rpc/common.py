@@ -16,6 +16,7 @@ import grpc
 from ftdist.errors import CoordinationError, CoordinationTimeoutError
 
 __all__ = [
+    "EVENTS_LEAVE",
     "EVENTS_STATUS",
     "EVENTS_SUBSCRIBE",
     "LIGHTHOUSE_HEARTBEAT",
@@ -41,6 +42,7 @@ MANAGER_KILL = f"/{MANAGER_SERVICE}/Kill"
 EVENTS_SERVICE = "ftdist.LighthouseEvents"
 EVENTS_SUBSCRIBE = f"/{EVENTS_SERVICE}/Subscribe"
 EVENTS_STATUS = f"/{EVENTS_SERVICE}/Status"
+EVENTS_LEAVE = f"/{EVENTS_SERVICE}/Leave"
 
 # A quorum of 1024 members with user data can be several MiB.
 _MAX_MESSAGE_BYTES = 256 * 1024 * 1024

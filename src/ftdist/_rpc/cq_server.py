@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import heapq
 import logging
 import threading
 import time
@@ -245,6 +246,9 @@ class CompletionQueueServer:
         self._server = cygrpc.Server(tuple(options), False)
         self._server.register_completion_queue(self._cq)
         self._commands: collections.deque[Callable[[], None]] = collections.deque()
+        # (when, seq, fn), run on the server thread; only that thread touches it.
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._timer_seq = 0
         self._thread = threading.Thread(target=self._serve, name=thread_name, daemon=True)
         self._stopping = False
         self._grace_deadline = 0.0
@@ -278,6 +282,19 @@ class CompletionQueueServer:
         What ``fn`` raises is logged on the server thread.
         """
         self._commands.append(fn)
+
+    def call_later(self, delay_s: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the server thread ``delay_s`` seconds from now. Thread-safe.
+
+        What ``fn`` raises is logged on the server thread.
+        """
+        when = time.monotonic() + max(0.0, delay_s)
+
+        def schedule() -> None:
+            self._timer_seq += 1
+            heapq.heappush(self._timers, (when, self._timer_seq, fn))
+
+        self.call_soon(schedule)
 
     def run(self, fn: Callable[[], Any], timeout: float = 5.0) -> Any:
         """Run ``fn`` on the server thread and return its result. Thread-safe.
@@ -323,6 +340,8 @@ class CompletionQueueServer:
         while True:
             now = time.monotonic()
             wait = min(_MAX_POLL_S, max(0.0, next_tick - now))
+            if self._timers:
+                wait = min(wait, max(0.0, self._timers[0][0] - now))
             event = self._cq.poll(time.time() + wait)
             kind = event.completion_type
             if kind == cygrpc.CompletionType.queue_shutdown:
@@ -338,6 +357,12 @@ class CompletionQueueServer:
                 except Exception:
                     logger.exception("scheduled call failed")
             now = time.monotonic()
+            while self._timers and self._timers[0][0] <= now and not self._stopping:
+                _, _, due = heapq.heappop(self._timers)
+                try:
+                    due()
+                except Exception:
+                    logger.exception("timer failed")
             if now >= next_tick:
                 next_tick = now + self._tick_period_s
                 if self._tick is not None and not self._stopping:

@@ -165,6 +165,11 @@ class LighthouseClient:
             request_serializer=ftdist_pb2.StatusRequest.SerializeToString,
             response_deserializer=ftdist_pb2.StatusResponse.FromString,
         )
+        self._leave_rpc = self._channel.unary_unary(
+            _rpc.EVENTS_LEAVE,
+            request_serializer=ftdist_pb2.LeaveRequest.SerializeToString,
+            response_deserializer=ftdist_pb2.LeaveResponse.FromString,
+        )
         try:
             self._ensure_connected(self._connect_s, "connect")
         except BaseException:
@@ -288,6 +293,40 @@ class LighthouseClient:
             ftdist_pb2.SubscribeRequest(replica_id=replica_id), metadata=self._metadata
         )
         return LighthouseEventStream(call, f"event stream from lighthouse at {self.addr}")
+
+    def leave(self, replica_id: str, timeout: timedelta | float = _DEFAULT_STATUS_TIMEOUT) -> bool:
+        """Tell the lighthouse that ``replica_id`` leaves the job for good.
+
+        Its peers' next quorum forms without waiting for it, and its
+        connections closing are not reported as a failure. A lighthouse
+        that does not know the call (torchft's) is not an error.
+
+        Args:
+            replica_id: the replica group's full id.
+            timeout: how long to wait (a timedelta or seconds).
+
+        Returns:
+            True if the lighthouse took note, False if it does not serve
+            ``Leave``.
+
+        Raises:
+            ValueError: if ``replica_id`` is empty.
+            CoordinationTimeoutError: if the call ran past ``timeout``.
+            CoordinationError: if the lighthouse is unreachable or refused.
+        """
+        if not replica_id:
+            raise ValueError("replica_id must not be empty.")
+        timeout_s = to_seconds(timeout, "timeout")
+        try:
+            self._call(
+                self._leave_rpc, ftdist_pb2.LeaveRequest(replica_id=replica_id), timeout_s, "Leave"
+            )
+        except CoordinationError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, grpc.Call) and cause.code() is grpc.StatusCode.UNIMPLEMENTED:
+                return False
+            raise
+        return True
 
     def status(self, timeout: timedelta | float = _DEFAULT_STATUS_TIMEOUT) -> dict[str, Any]:
         """Fetch the lighthouse's status document (ftdist lighthouses only).

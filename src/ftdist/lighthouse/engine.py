@@ -82,7 +82,9 @@ _STUCK_LOG_AFTER_S = 1.0
 # How long a replica's lost failure-news stream may take to come back before
 # the replica counts as failed. A reconnecting client is back within a few
 # hundred ms; a dead process never.
-STREAM_GRACE_S = 0.5
+STREAM_GRACE_S = 0.15
+# Left replica ids remembered (to ignore their late heartbeats and streams).
+_MAX_LEFT = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +183,9 @@ class LighthouseEngine:
         self._num_prev_present = 0
         self._expired_at_tick = 0
         self._failed_reported: set[str] = set()
+        # Replica groups that left on purpose, oldest first; bounded, since
+        # every restart of a group is a new id.
+        self._left: dict[str, None] = {}
         self._subscribers: set[Subscriber] = set()
         # Open failure-news streams per replica id, and streams lost recently:
         # replica id -> (when, open streams before the loss).
@@ -200,7 +205,9 @@ class LighthouseEngine:
     # -- requests ---------------------------------------------------------
 
     def heartbeat(self, replica_id: str) -> None:
-        """Record a heartbeat from ``replica_id``."""
+        """Record a heartbeat from ``replica_id`` (ignored once it left)."""
+        if replica_id in self._left:
+            return
         self.state.heartbeats[replica_id] = self._clock()
 
     def admit(self, replica_id: str) -> bool:
@@ -228,6 +235,25 @@ class LighthouseEngine:
     def parked(self, replica_id: str) -> int:
         """How many quorum requests of ``replica_id`` are waiting."""
         return len(self._waiters.get(replica_id, ()))
+
+    def leave(self, replica_id: str) -> None:
+        """``replica_id`` leaves the job on purpose.
+
+        It is forgotten at once (peers' next quorum does not wait for it),
+        its connections closing are not a failure, and subscribers hear that
+        it left.
+        """
+        if not replica_id or replica_id in self._left:
+            return
+        self._left[replica_id] = None
+        while len(self._left) > _MAX_LEFT:
+            del self._left[next(iter(self._left))]
+        self.state.heartbeats.pop(replica_id, None)
+        self._lost_streams.pop(replica_id, None)
+        logger.info("Replica %s left", replica_id)
+        self._publish(ftdist_pb2.MEMBER_LEFT, replica_id=replica_id, reason="it left the job")
+        if self.state.participants:
+            self._evaluate(self._clock())
 
     def join(self, member: Member, deliver: Deliver) -> object:
         """Park a quorum request until a quorum containing its requester forms.
@@ -427,7 +453,22 @@ class LighthouseEngine:
             return
         before = self._streams.get(replica_id, 0)
         self._streams[replica_id] = max(0, before - 1)
+        if replica_id in self._left:
+            return
         self._lost_streams.setdefault(replica_id, (self._clock(), before))
+
+    def check_lost_streams(self) -> None:
+        """Report members whose streams stayed lost for the grace, at once.
+
+        The server calls this :data:`STREAM_GRACE_S` after a stream closed,
+        so that a death is news within the grace, not at the next tick.
+        """
+        if self.closed:
+            return
+        now = self._clock()
+        self._check_lost_streams(now)
+        if self.state.participants:
+            self._evaluate(now)
 
     def _check_lost_streams(self, now: float) -> None:
         for replica_id, (since, before) in list(self._lost_streams.items()):
@@ -472,7 +513,7 @@ class LighthouseEngine:
         timeout = self.settings.heartbeat_timeout_s
         heartbeats = self.state.heartbeats
         for replica_id in current.member_ids:
-            if replica_id in self._failed_reported:
+            if replica_id in self._failed_reported or replica_id in self._left:
                 continue
             seen = heartbeats.get(replica_id)
             age = math.inf if seen is None else now - seen

@@ -10,7 +10,8 @@ and, at each step, asks it which replica groups train together (the quorum).
 * ``torchft.LighthouseService`` (``Quorum``, ``Heartbeat``), wire-compatible
   with torchft, so torchft managers can use it and ftdist managers can use
   torchft's lighthouse;
-* ``ftdist.LighthouseEvents`` (``Subscribe``): a stream of failure news. When
+* ``ftdist.LighthouseEvents`` (``Subscribe``, ``Leave``): a stream of
+  failure news, and a clean exit that is not news of a failure. When
   a member of the current quorum stops heartbeating, every subscriber hears it
   within one quorum tick of the heartbeat timeout, without waiting for its
   next quorum call. torchft clients never call it. Its ``Status`` call returns
@@ -58,7 +59,7 @@ from ftdist._rpc.auth import metadata_refusal, server_credentials
 from ftdist._rpc.cq_server import CompletionQueueServer, RpcCall
 from ftdist.lighthouse.config import LighthouseConfig, resolve_lighthouse_config
 from ftdist.lighthouse.dashboard import DashboardServer
-from ftdist.lighthouse.engine import FormedQuorum, LighthouseEngine
+from ftdist.lighthouse.engine import STREAM_GRACE_S, FormedQuorum, LighthouseEngine
 from ftdist.lighthouse.quorum import QuorumConfig
 from ftdist.lighthouse.status import build_status
 from ftdist.manager.client import kill_manager
@@ -246,6 +247,7 @@ class LighthouseServer:
                 _rpc.LIGHTHOUSE_HEARTBEAT: self._handle_heartbeat,
                 _rpc.EVENTS_SUBSCRIBE: self._handle_subscribe,
                 _rpc.EVENTS_STATUS: self._handle_status,
+                _rpc.EVENTS_LEAVE: self._handle_leave,
             },
             _rpc.server_options(),
             tick=self._tick,
@@ -467,6 +469,10 @@ class LighthouseServer:
         def cancelled() -> None:
             engine.unsubscribe(stream)
             engine.stream_closed(replica_id)
+            if replica_id:
+                # A process that died closes its streams at once: report it
+                # right after the reconnect grace, not at the next tick.
+                self._server.call_later(STREAM_GRACE_S + 0.005, engine.check_lost_streams)
 
         rpc.on_cancel(cancelled)
         engine.subscribe(stream)
@@ -480,3 +486,17 @@ class LighthouseServer:
         document = build_status(self._engine, self.config)
         response = ftdist_pb2.StatusResponse(status_json=json.dumps(document))
         rpc.reply(response.SerializeToString())
+
+    def _handle_leave(self, rpc: RpcCall, request: bytes) -> None:
+        message = _decode(rpc, ftdist_pb2.LeaveRequest, request)
+        if message is None:
+            return
+        replica_id = message.replica_id
+        if not replica_id or _too_long(replica_id, _MAX_FIELD_BYTES):
+            rpc.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"replica_id must be 1 to {_MAX_FIELD_BYTES} bytes",
+            )
+            return
+        self._engine.leave(replica_id)
+        rpc.reply(ftdist_pb2.LeaveResponse().SerializeToString())

@@ -137,6 +137,7 @@ _KINDS = {
     ftdist_pb2.SUBSCRIBED: "subscribed",
     ftdist_pb2.QUORUM_FORMED: "quorum_formed",
     ftdist_pb2.MEMBER_FAILED: "member_failed",
+    ftdist_pb2.MEMBER_LEFT: "member_left",
 }
 
 
@@ -147,9 +148,10 @@ class LighthouseEvent:
     Attributes:
         kind: ``"subscribed"`` (first event of every stream),
             ``"quorum_formed"`` (a quorum with a new quorum_id) or
-            ``"member_failed"`` (a member of the current quorum went silent).
+            ``"member_failed"`` (a member of the current quorum went silent)
+            or ``"member_left"`` (a member left the job on purpose).
         quorum_id: the current quorum's id when the event was sent.
-        replica_id: the failed member, for ``"member_failed"``; else empty.
+        replica_id: the failed or departed member; else empty.
         reason: the cause, in words.
         time: when the lighthouse sent it (UTC).
         replica_ids: the quorum's members, for ``"subscribed"`` and

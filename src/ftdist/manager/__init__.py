@@ -5,8 +5,12 @@ The Manager
 Everything that runs the fault-tolerant step protocol of one replica group:
 
 * :mod:`~ftdist.manager.manager`: :class:`Manager`, one per rank: quorum,
-  allreduce, commit vote.
-* :mod:`~ftdist.manager.work`: the work objects its allreduce returns.
+  allreduce, commit vote; :mod:`~ftdist.manager.round`: each step's quorum
+  round, on the quorum thread.
+* :mod:`~ftdist.manager.work`: what its allreduce returns.
+* :mod:`~ftdist.manager.state`: the user state it moves and the
+  consistency parts it compares; :mod:`~ftdist.manager.membership`: the
+  process group following the quorum.
 * :mod:`~ftdist.manager.config`: :class:`ManagerConfig`, every setting
   resolved once (argument > environment > default).
 * :mod:`~ftdist.manager.bootstrap`: the replica group's store, server and
@@ -36,21 +40,39 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ftdist.manager.client import ManagerClient
-    from ftdist.manager.config import ManagerConfig
+    from ftdist.manager.config import (
+        CONNECT_TIMEOUT_SEC_ENV,
+        MANAGER_ADDR_KEY,
+        MANAGER_PORT_ENV,
+        QUORUM_RETRIES_ENV,
+        QUORUM_TIMEOUT_SEC_ENV,
+        REPLICA_ID_KEY,
+        TIMEOUT_SEC_ENV,
+        ManagerConfig,
+    )
     from ftdist.manager.heal import HealTimeline
     from ftdist.manager.manager import ExceptionWithTraceback, Manager, WorldSizeMode
     from ftdist.manager.server import ManagerServer
+    from ftdist.manager.work import AllreduceResult
 
 # Loaded on first use: the lighthouse and the command line import the
 # server and client modules of this package, and must not pay for torch.
 _EXPORTS = {
+    "AllreduceResult": "ftdist.manager.work",
+    "CONNECT_TIMEOUT_SEC_ENV": "ftdist.manager.config",
+    "MANAGER_ADDR_KEY": "ftdist.manager.config",
+    "MANAGER_PORT_ENV": "ftdist.manager.config",
+    "QUORUM_RETRIES_ENV": "ftdist.manager.config",
+    "QUORUM_TIMEOUT_SEC_ENV": "ftdist.manager.config",
+    "REPLICA_ID_KEY": "ftdist.manager.config",
+    "TIMEOUT_SEC_ENV": "ftdist.manager.config",
     "ExceptionWithTraceback": "ftdist.manager.manager",
     "HealTimeline": "ftdist.manager.heal",
     "Manager": "ftdist.manager.manager",
     "ManagerClient": "ftdist.manager.client",
     "ManagerConfig": "ftdist.manager.config",
     "ManagerServer": "ftdist.manager.server",
-    "WorldSizeMode": "ftdist.manager.manager",
+    "WorldSizeMode": "ftdist.manager.config",
 }
 
 
@@ -68,6 +90,14 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "CONNECT_TIMEOUT_SEC_ENV",
+    "MANAGER_ADDR_KEY",
+    "MANAGER_PORT_ENV",
+    "QUORUM_RETRIES_ENV",
+    "QUORUM_TIMEOUT_SEC_ENV",
+    "REPLICA_ID_KEY",
+    "TIMEOUT_SEC_ENV",
+    "AllreduceResult",
     "ExceptionWithTraceback",
     "HealTimeline",
     "Manager",

@@ -16,12 +16,13 @@ import os
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-from ftdist.manager.client import ManagerClient
-from ftdist.manager.config import ManagerConfig
+from ftdist.manager.client import ManagerClientLike
+from ftdist.manager.config import MANAGER_ADDR_KEY, REPLICA_ID_KEY, ManagerConfig
 from ftdist.manager.news import FailureNews
 from ftdist.manager.server import ManagerServer
 from ftdist.process_group._store import host_store
@@ -31,71 +32,113 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Bootstrap:
-    """What a Manager needs from its replica group."""
+    """What a Manager needs from its replica group.
 
-    store: dist.Store
-    own_store: dist.TCPStore | None
+    Attributes:
+        server: the group's ManagerServer (group rank 0 of a real group).
+        client: this rank's client of it.
+        replica_id: the group's full id (with its uuid).
+        news: the lighthouse's failure news, followed on a thread.
+        connect: opens a client to another replica group's manager (a heal
+            source).
+        own_store: the store this rank hosts (a group of one), kept alive.
+    """
+
     server: ManagerServer | None
-    client: ManagerClient
+    client: ManagerClientLike
     replica_id: str
-    lighthouse_addr: str | None
-    connect_timeout: Any
-
-    def start_news(self, on_failed: Callable[[str, str], None]) -> FailureNews:
-        """Follow the lighthouse's failure news, calling ``on_failed`` per dead member."""
-        return FailureNews(self.lighthouse_addr, self.replica_id, on_failed, self.connect_timeout)
+    news: FailureNews
+    connect: Callable[[str], ManagerClientLike]
+    own_store: dist.TCPStore | None = None
 
 
-def bootstrap(settings: ManagerConfig, replica_id: str | None) -> Bootstrap:
-    """Connect to (or host) the replica group's store, start the server on rank 0, connect.
+def _class(name: str) -> Any:
+    # Looked up on the package at call time, as torchft's Manager does, so
+    # that code patching ``ftdist.manager.ManagerClient`` reaches it.
+    import ftdist.manager as package
+
+    return getattr(package, name)
+
+
+def connect_client(address: str, connect_timeout: timedelta) -> ManagerClientLike:
+    """A client of the manager server at ``address``.
+
+    Raises:
+        CoordinationError: the server is unreachable within ``connect_timeout``.
+    """
+    client: ManagerClientLike = _class("ManagerClient")(address, connect_timeout)
+    return client
+
+
+def bootstrap(
+    config: ManagerConfig,
+    replica_id: str | None,
+    on_failed: Callable[[str, str], None],
+    client: ManagerClientLike | None = None,
+) -> Bootstrap:
+    """Join (or host) the replica group's store, start the server on rank 0, connect.
+
+    With ``client`` (the test seam) nothing is started or joined: that
+    client answers everything, heal sources included.
 
     Raises:
         RuntimeError: the store or the server is unreachable.
         CoordinationError: the lighthouse is unreachable (rank 0).
     """
+    if client is not None:
+        fake = client
+        rid = replica_id or "replica"
+        news = FailureNews(None, rid, on_failed, config.connect_timeout)
+        return Bootstrap(None, fake, rid, news, lambda address: fake)
     own: dist.TCPStore | None = None
-    if settings.store_addr is None:
+    if config.store_addr is None:
         # No authentication: it listens only where peers reach it (see host_store).
-        own = host_store(settings.hostname, settings.connect_timeout)
+        own = host_store(config.hostname, config.connect_timeout)
         tcp: dist.Store = own
-        advertised = f"{settings.hostname}:{own.port}"
+        advertised = f"{config.hostname}:{own.port}"
     else:
         tcp = dist.TCPStore(
-            settings.store_addr,
-            int(settings.store_port or 0),
+            config.store_addr,
+            int(config.store_port or 0),
             is_master=False,
             wait_for_workers=False,
-            timeout=settings.connect_timeout,
+            timeout=config.connect_timeout,
         )
-        advertised = f"{settings.store_addr}:{settings.store_port}"
+        advertised = f"{config.store_addr}:{config.store_port}"
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"ftdist/manager/{attempt}", tcp)
 
     server = None
-    if settings.group_rank == 0:
+    if config.group_rank == 0:
         full_id = f"{replica_id}:{uuid.uuid4()}" if replica_id else str(uuid.uuid4())
-        assert settings.lighthouse_addr
-        server = ManagerServer(
+        if not config.lighthouse_addr:
+            raise ValueError("group rank 0 needs a lighthouse address (FTDIST_LIGHTHOUSE)")
+        server = _class("ManagerServer")(
             replica_id=full_id,
-            lighthouse_addr=settings.lighthouse_addr,
-            hostname=settings.hostname,
-            bind=f"[::]:{settings.port}",
+            lighthouse_addr=config.lighthouse_addr,
+            hostname=config.hostname,
+            bind=f"[::]:{config.port}",
             store_addr=advertised,
-            world_size=settings.group_world_size,
-            heartbeat_interval=settings.heartbeat_interval,
-            connect_timeout=settings.connect_timeout,
-            quorum_retries=settings.quorum_retries,
+            world_size=config.group_world_size,
+            heartbeat_interval=config.heartbeat_interval,
+            connect_timeout=config.connect_timeout,
+            quorum_retries=config.quorum_retries,
         )
-        store.set("manager_addr", server.address())
-        store.set("replica_id", full_id)
-        store.set("lighthouse_addr", settings.lighthouse_addr)
-    manager_addr = store.get("manager_addr").decode()
-    full_id = store.get("replica_id").decode()
-    lighthouse = settings.lighthouse_addr or store.get("lighthouse_addr").decode() or None
+        store.set(MANAGER_ADDR_KEY, server.address())
+        store.set(REPLICA_ID_KEY, full_id)
+        store.set("lighthouse_addr", config.lighthouse_addr)
     try:
-        client = ManagerClient(manager_addr, settings.connect_timeout)
+        manager_addr = store.get(MANAGER_ADDR_KEY).decode()
+        full_id = store.get(REPLICA_ID_KEY).decode()
+        lighthouse = config.lighthouse_addr or store.get("lighthouse_addr").decode() or None
+        real = connect_client(manager_addr, config.connect_timeout)
     except Exception:
         if server is not None:
             server.shutdown()
         raise
-    return Bootstrap(store, own, server, client, full_id, lighthouse, settings.connect_timeout)
+    news = FailureNews(lighthouse, full_id, on_failed, config.connect_timeout)
+
+    def connect(address: str) -> ManagerClientLike:
+        return connect_client(address, config.connect_timeout)
+
+    return Bootstrap(server, real, full_id, news, connect, own)

@@ -26,14 +26,17 @@ class ManagerQuorumResult(QuorumResult):
 
     Attributes:
         divergence: why replicas at the same step hold different state ("" if
-            they agree); the step must not commit.
+            they agree); the minority heals from the majority in this quorum.
         created_ns: when the lighthouse formed the quorum (ns since the epoch);
             with ``quorum_id`` it names the quorum uniquely, even across a
             lighthouse restart that starts ids over.
+        group_heals: some group rank of this replica group heals: every rank
+            takes part in the group's heal vote.
     """
 
     divergence: str = ""
     created_ns: int = 0
+    group_heals: bool = False
 
 
 class ManagerClientLike(Protocol):
@@ -181,6 +184,7 @@ class ManagerClient:
             replica_ids=list(response.replica_ids),
             divergence=response.divergence,
             created_ns=response.quorum_created_ns,
+            group_heals=response.group_heals,
         )
 
     _quorum = quorum

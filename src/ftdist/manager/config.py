@@ -28,9 +28,32 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from enum import IntEnum
 from typing import Any
 
 DEFAULT_TIMEOUT = timedelta(seconds=60)
+
+# torchft's names for the replica group's store keys and its environment
+# variables, for code that uses them.
+MANAGER_ADDR_KEY = "manager_addr"
+REPLICA_ID_KEY = "replica_id"
+MANAGER_PORT_ENV = "TORCHFT_MANAGER_PORT"
+TIMEOUT_SEC_ENV = "TORCHFT_TIMEOUT_SEC"
+QUORUM_TIMEOUT_SEC_ENV = "TORCHFT_QUORUM_TIMEOUT_SEC"
+CONNECT_TIMEOUT_SEC_ENV = "TORCHFT_CONNECT_TIMEOUT_SEC"
+QUORUM_RETRIES_ENV = "TORCHFT_QUORUM_RETRIES"
+
+
+class WorldSizeMode(IntEnum):
+    """How many replica groups take part in a step.
+
+    ``DYNAMIC``: every replica group in the quorum. ``FIXED_WITH_SPARES``: at
+    most ``min_replica_size``; the others are hot spares that contribute
+    zeros and take over when a participant dies.
+    """
+
+    DYNAMIC = 0
+    FIXED_WITH_SPARES = 1
 
 
 def _env(env: Mapping[str, str], name: str) -> str | None:
@@ -99,6 +122,9 @@ class ManagerConfig:
     store_port: int | None
     hostname: str
     heartbeat_interval: timedelta
+    min_replica_size: int = 1
+    max_retries: int | None = None
+    check_consistency_every: int = 0
 
     @classmethod
     def resolve(
@@ -116,16 +142,34 @@ class ManagerConfig:
         store_port: Any = None,
         hostname: str | None = None,
         heartbeat_interval: Any = None,
+        min_replica_size: Any = 1,
+        max_retries: Any = None,
+        check_consistency_every: Any = None,
+        needs_lighthouse: bool = False,
         env: Mapping[str, str] | None = None,
     ) -> ManagerConfig:
         """Resolve every setting: argument > environment > default.
 
+        Args:
+            needs_lighthouse: group rank 0 must have a lighthouse address.
+
         Raises:
             TypeError: an argument has the wrong type.
-            ValueError: a value is out of range or an environment variable is
-                malformed; the message names it.
+            ValueError: a value is out of range, an environment variable is
+                malformed, or a lighthouse address is missing; the message
+                names it.
         """
         env = os.environ if env is None else env
+        if (
+            not isinstance(min_replica_size, int)
+            or isinstance(min_replica_size, bool)
+            or (min_replica_size < 1)
+        ):
+            raise ValueError(f"min_replica_size must be an int >= 1, got {min_replica_size!r}")
+        if max_retries is not None and (
+            not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0
+        ):
+            raise ValueError(f"max_retries must be None or an int >= 0, got {max_retries!r}")
         group_world_size = _int("world_size", world_size, env, ("WORLD_SIZE",), 1)
         group_rank = _int("rank", rank, env, ("RANK",), 0)
         assert group_world_size is not None and group_rank is not None
@@ -150,6 +194,24 @@ class ManagerConfig:
                 "a replica group of several ranks needs a shared store: pass "
                 "store_addr/store_port or set MASTER_ADDR/MASTER_PORT (torchrun does)"
             )
+        _every = _int(
+            "check_consistency_every",
+            check_consistency_every,
+            env,
+            ("FTDIST_CHECK_CONSISTENCY_EVERY",),
+            0,
+        )
+        if _every is None or _every < 0:
+            raise ValueError(
+                f"check_consistency_every must be >= 0 steps (0: only after reconfigures), "
+                f"got {_every}"
+            )
+        lighthouse = lighthouse_addr or _env(env, "LIGHTHOUSE")
+        if needs_lighthouse and group_rank == 0 and not lighthouse:
+            raise ValueError(
+                "no lighthouse address: pass lighthouse_addr= or set "
+                "FTDIST_LIGHTHOUSE (or TORCHFT_LIGHTHOUSE)"
+            )
         return cls(
             timeout=_duration("timeout", timeout, env, "TIMEOUT_SEC", DEFAULT_TIMEOUT),
             quorum_timeout=_duration(
@@ -159,7 +221,7 @@ class ManagerConfig:
                 "connect_timeout", connect_timeout, env, "CONNECT_TIMEOUT_SEC", DEFAULT_TIMEOUT
             ),
             quorum_retries=int(retries or 0),
-            lighthouse_addr=lighthouse_addr or _env(env, "LIGHTHOUSE"),
+            lighthouse_addr=lighthouse,
             port=int(mport or 0),
             group_rank=group_rank,
             group_world_size=group_world_size,
@@ -169,4 +231,7 @@ class ManagerConfig:
             heartbeat_interval=_duration(
                 "heartbeat_interval", heartbeat_interval, {}, "", timedelta(milliseconds=100)
             ),
+            min_replica_size=min_replica_size,
+            max_retries=max_retries,
+            check_consistency_every=_every,
         )

@@ -19,8 +19,10 @@ differs instead of letting replicas drift apart silently.
 
 from __future__ import annotations
 
+import threading
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,10 +33,16 @@ from torch.utils._pytree import tree_flatten_with_path
 
 from ftdist.checkpointing import CheckpointTransport
 from ftdist.checkpointing._wire import crc_update
+from ftdist.errors import StateDivergenceError
 
 if TYPE_CHECKING:
     from ftdist.manager.client import ManagerClientLike
     from ftdist.manager.rule import QuorumResult
+    from ftdist.manager.state import ConsistencyParts, UserState
+
+# Heal sources whose clients are kept open (a restarted peer has a new
+# address; the oldest are closed beyond this many).
+MAX_SOURCE_CLIENTS = 4
 
 # Parts are named by this many leading path components, e.g.
 # "user/default/optim/param_groups": fine enough to say what differs, coarse enough
@@ -117,6 +125,25 @@ def _path_name(path: tuple[Any, ...]) -> str:
     return "/".join(parts)
 
 
+def fold_parts(parts: dict[str, int], max_parts: int) -> dict[str, int]:
+    """Combine fine-grained parts into coarser ones until at most ``max_parts`` remain.
+
+    A large model has hundreds of parameters; its fingerprint travels in
+    every group rank's quorum request, within the lighthouse's data limit.
+    Folding keeps the comparison exact and only makes the report coarser
+    (``'model'`` instead of ``'model/layers.3.weight'``).
+    """
+    depth = PART_DEPTH
+    while len(parts) > max_parts and depth > 1:
+        depth -= 1
+        folded: dict[str, int] = {}
+        for name in sorted(parts):
+            key = "/".join(name.split("/")[:depth])
+            folded[key] = zlib.crc32(f"{name}={parts[name]}".encode(), folded.get(key, 0))
+        parts = folded
+    return parts
+
+
 def differing_parts(a: dict[str, int], b: dict[str, int]) -> list[str]:
     """Names of the parts whose fingerprints differ (or exist on one side only)."""
     return sorted(p for p in a.keys() | b.keys() if a.get(p) != b.get(p))
@@ -168,7 +195,8 @@ class Healer:
         self.transport = transport
         self._timeout = timeout
         self._connect = connect
-        self._sources: dict[str, ManagerClientLike] = {}
+        # Most recently used last; every restarted peer has a new address.
+        self._sources: OrderedDict[str, ManagerClientLike] = OrderedDict()
 
     def serve(
         self, quorum: QuorumResult, state: dict[str, Any], quorum_s: float, reconfigure_s: float
@@ -209,10 +237,7 @@ class Healer:
         timeline = HealTimeline(
             quorum.max_step, quorum.quorum_id, "receive", [src], quorum_s, reconfigure_s
         )
-        client = self._sources.get(quorum.recover_src_manager_address)
-        if client is None:
-            client = self._connect(quorum.recover_src_manager_address)
-            self._sources[quorum.recover_src_manager_address] = client
+        client = self._source(quorum.recover_src_manager_address)
         metadata = client.checkpoint_metadata(group_rank, self._timeout)
         start = time.perf_counter()
         state = self.transport.recv_checkpoint(src, metadata, quorum.max_step, self._timeout)
@@ -222,8 +247,52 @@ class Healer:
             raise TypeError(f"the heal source sent a {type(state).__name__}, not a state dict")
         return state, timeline
 
+    def _source(self, address: str) -> ManagerClientLike:
+        client = self._sources.pop(address, None)
+        if client is None:
+            client = self._connect(address)
+        self._sources[address] = client
+        while len(self._sources) > MAX_SOURCE_CLIENTS:
+            _, old = self._sources.popitem(last=False)
+            # Closing a gRPC channel can block ~200 ms: not on the heal path.
+            threading.Thread(target=old.close, name="ftdist-close-source", daemon=True).start()
+        return client
+
     def close(self) -> None:
         """Close the clients to heal sources."""
-        sources, self._sources = self._sources, {}
+        sources, self._sources = self._sources, OrderedDict()
         for client in sources.values():
             client.close()
+
+
+def load_received(
+    state: dict[str, Any],
+    user_state: UserState,
+    consistency: ConsistencyParts,
+    timeline: HealTimeline,
+) -> StateDivergenceError | None:
+    """Load the user part of a received state; check the consistency parts.
+
+    The consistency parts must now be what the source had: a load function
+    that skips something (a learning rate, say) would leave this replica
+    silently different.
+
+    Returns:
+        The divergence to record, or None.
+
+    Raises:
+        KeyError: the state lacks a registered key.
+    """
+    start = time.perf_counter()
+    user_state.load(state["user"])
+    sent = state.get("consistency")
+    error = None
+    if isinstance(sent, dict) and consistency:
+        differ = differing_parts(sent, consistency.fingerprint())
+        if differ:
+            error = StateDivergenceError(
+                f"the state loaded while healing does not match the state received: {differ} "
+                "differ; make load_state_dict restore everything state_dict returns"
+            )
+    timeline.load_s = time.perf_counter() - start
+    return error

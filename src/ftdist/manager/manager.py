@@ -5,89 +5,83 @@ Manager
 The Manager runs the fault-tolerant step protocol of one rank of one replica
 group. Each step:
 
-1. :meth:`Manager.start_quorum` (called by ``OptimizerWrapper.zero_grad``)
-   asks the replica group's ManagerServer, and through it the lighthouse,
-   which replica groups take this step. In the background it rebuilds the
-   process group when the membership changed, and heals this replica from an
-   up-to-date peer when it is behind (or serves its state to those that are).
-2. :meth:`Manager.allreduce` averages gradients over the participants. It
-   never raises into the training loop: a failure is recorded and
-   :meth:`Manager.errored` reports it.
-3. :meth:`Manager.should_commit` (called by ``OptimizerWrapper.step``) applies
-   a received state, then votes with the other ranks of the replica group;
-   the optimizer steps only if every rank voted yes. The step counter moves
-   only on a commit, so no committed step is ever lost or applied twice.
+1. :meth:`Manager.start_quorum` (``OptimizerWrapper.zero_grad``) asks the
+   replica group's ManagerServer, and through it the lighthouse, which
+   replica groups take this step. In the background it rebuilds the process
+   group when the membership changed, serves its state to peers that are
+   behind, and fetches a peer's state when it is behind itself.
+2. :meth:`Manager.allreduce` averages over the participants. It never
+   raises into the training loop: a failure is recorded, the step votes no.
+3. :meth:`Manager.should_commit` (``OptimizerWrapper.step``) waits for the
+   step's collectives, applies a received state, and votes with the other
+   ranks of the replica group; the optimizer steps only if all voted yes.
 
-A replica that died is dropped from the quorum at the next step; the
-lighthouse also pushes the news of its death, and the Manager aborts any
-collective still waiting on it instead of waiting out the timeout.
+Guarantees:
+
+* **The step and the state move together.** A received state is applied on
+  the training thread, after every rank of the replica group confirmed its
+  own transfer: the step counter jumps to the source's step at that moment,
+  never before, and a group never ends up with ranks at different steps.
+* **A healthy job never stalls.** Only what must be identical (the
+  consistency parts: parameters and optimizer state) is compared between
+  replicas; a replica that disagrees with the majority heals from it
+  instead of failing everyone. A failed quorum fails one step; the next
+  step starts a fresh one.
+* **Peers are never left waiting.** A replica whose step already failed
+  still takes part in the step's collectives (contributing zeros) and
+  votes no. Every future the Manager hands out completes within its timeout.
+* **Leaving is not failing.** :meth:`shutdown` tells the lighthouse the
+  group is leaving, so peers neither wait for it nor report it dead.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
-import traceback
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
-from enum import IntEnum
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from ftdist.checkpointing import CheckpointTransport, HTTPTransport
-from ftdist.errors import FtdistError, ProcessGroupAbortedError, StateDivergenceError
-from ftdist.manager.client import ManagerClient, ManagerClientLike
-from ftdist.manager.config import ManagerConfig
-from ftdist.manager.heal import Healer, HealTimeline, differing_parts, fingerprint
+from ftdist.errors import (
+    CollectiveTimeoutError,
+    ExceptionWithTraceback,
+    NotReconfigurableError,
+    ProcessGroupAbortedError,
+    RecoveryError,
+    with_traceback,
+)
+from ftdist.manager.client import ManagerClientLike
+from ftdist.manager.config import ManagerConfig, WorldSizeMode
+from ftdist.manager.heal import Healer, HealTimeline, load_received
 from ftdist.manager.membership import GroupMembership
-from ftdist.manager.news import FailureNews
-from ftdist.manager.rule import QuorumResult, participation
-from ftdist.manager.state import UserState
-from ftdist.manager.work import ManagedWork
+from ftdist.manager.round import QuorumRound, RoundOutcome
+from ftdist.manager.state import ConsistencyParts, StateRegistration, UserState
+from ftdist.manager.work import AllreduceResult, bounded_future
 from ftdist.process_group import ProcessGroup
-from ftdist.process_group.work import CompletedWork
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-
-class WorldSizeMode(IntEnum):
-    """How many replica groups take part in a step.
-
-    ``DYNAMIC``: every replica group in the quorum. ``FIXED_WITH_SPARES``: at
-    most ``min_replica_size``; the others are hot spares that contribute
-    zeros and take over when a participant dies.
-    """
-
-    DYNAMIC = 0
-    FIXED_WITH_SPARES = 1
+__all__ = ["ExceptionWithTraceback", "Manager", "WorldSizeMode"]
 
 
-class ExceptionWithTraceback(FtdistError):
-    """A recorded error together with where it was raised."""
-
-    def __init__(self, e: BaseException) -> None:
-        self.original_exception = e
-        self.stack_trace = "".join(traceback.format_exception(e))
-        super().__init__(f"{e}\n{self.stack_trace}")
-
-
-class Manager:
+class Manager(StateRegistration):
     """Fault-tolerant step protocol for one rank of one replica group.
 
     Args:
-        pg: the ftdist process group spanning the replica groups (this rank's
-            "column": the same group rank of every replica group).
+        pg: the ftdist process group spanning the replica groups (the same
+            group rank of every replica group).
         load_state_dict: loads the user state received when healing.
         state_dict: returns the user state to send when a peer heals.
         min_replica_size: fewest replica groups with which a step may commit.
         use_async_quorum: run the quorum (and healing) in the background,
             overlapping the forward pass.
-        timeout: collectives and checkpoint transfers.
+        timeout: collectives, votes and checkpoint transfers.
         quorum_timeout: one quorum round.
         connect_timeout: connecting to the ManagerServer and lighthouse.
         rank: this rank in the replica group (default ``RANK``).
@@ -110,10 +104,14 @@ class Manager:
             joining the replica group's ManagerServer; no store, server or
             lighthouse connection is made, and heal sources' checkpoint
             metadata is asked of this client too.
+        check_consistency_every: also compare the consistency parts every
+            this many steps (default ``FTDIST_CHECK_CONSISTENCY_EVERY``, else
+            0: only after each reconfigure and heal), to catch silent
+            corruption in a job whose membership does not change.
 
     Raises:
-        TypeError: ``pg`` is not an ftdist ProcessGroup, or an argument has
-            the wrong type.
+        TypeError: ``pg`` is not an ftdist ProcessGroup (also a ValueError,
+            as torchft raises), or an argument has the wrong type.
         ValueError: ``min_replica_size < 1``, no lighthouse address, or
             another setting out of range (all before any connection).
     """
@@ -144,40 +142,25 @@ class Manager:
         quorum_retries: int | None = None,
         *,
         client: ManagerClientLike | None = None,
+        check_consistency_every: int | None = None,
     ) -> None:
         if not isinstance(pg, ProcessGroup):
-            raise TypeError(
-                f"pg must be an ftdist ProcessGroup (it is reconfigured each quorum), "
-                f"got {type(pg).__name__}"
+            raise NotReconfigurableError(
+                f"pg must be an ftdist ProcessGroup, got {type(pg).__name__}: the Manager "
+                "reconfigures it every time the quorum changes, which torch's own groups cannot "
+                "do (torchft: enable_reconfigure=True); use ftdist.ProcessGroupGloo or "
+                "ProcessGroupNCCL"
             )
-        if (
-            isinstance(min_replica_size, bool)
-            or not isinstance(min_replica_size, int)
-            or min_replica_size < 1
-        ):
-            raise ValueError(f"min_replica_size must be an int >= 1, got {min_replica_size!r}")
-        if max_retries is not None and (not isinstance(max_retries, int) or max_retries < 0):
-            raise ValueError(f"max_retries must be None or an int >= 0, got {max_retries!r}")
         config = ManagerConfig.resolve(
-            timeout=timeout,
-            quorum_timeout=quorum_timeout,
-            connect_timeout=connect_timeout,
-            quorum_retries=quorum_retries,
-            lighthouse_addr=lighthouse_addr,
-            port=port,
-            rank=rank,
-            world_size=world_size,
-            store_addr=store_addr,
-            store_port=store_port,
-            hostname=hostname,
-            heartbeat_interval=heartbeat_interval,
-        )
-        if client is None and config.group_rank == 0 and not config.lighthouse_addr:
-            raise ValueError(
-                "no lighthouse address: pass lighthouse_addr= or set "
-                "FTDIST_LIGHTHOUSE (or TORCHFT_LIGHTHOUSE)"
-            )
+            timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=connect_timeout,
+            quorum_retries=quorum_retries, lighthouse_addr=lighthouse_addr, port=port,
+            rank=rank, world_size=world_size, store_addr=store_addr, store_port=store_port,
+            hostname=hostname, heartbeat_interval=heartbeat_interval,
+            min_replica_size=min_replica_size, max_retries=max_retries,
+            check_consistency_every=check_consistency_every, needs_lighthouse=client is None,
+        )  # fmt: skip
         self._config = config
+        self._timeout = config.timeout
         self._pg = pg
         self._min_replica_size = min_replica_size
         self._use_async_quorum = use_async_quorum
@@ -186,7 +169,7 @@ class Manager:
         self._max_retries = max_retries
         self._group_rank = config.group_rank
 
-        self._user_state = UserState()
+        self._user_state = UserState(config.timeout)
         if load_state_dict is not None and state_dict is not None:
             self._user_state.register("default", load_state_dict, state_dict)
         elif (load_state_dict is None) != (state_dict is None):
@@ -194,56 +177,58 @@ class Manager:
                 "pass both load_state_dict and state_dict, or neither (and use "
                 "register_state_dict_fn)"
             )
+        self._consistency = ConsistencyParts()
 
-        self._transport: CheckpointTransport[Any] = checkpoint_transport or HTTPTransport(
-            config.timeout, num_chunks=0, hostname=config.hostname
+        self._checkpoint_transport: CheckpointTransport[Any] = (
+            checkpoint_transport
+            or HTTPTransport(config.timeout, num_chunks=0, hostname=config.hostname)
         )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftdist-quorum")
         self._lock = threading.Lock()
 
-        # Step state (see the class docstring of each accessor).
         self._step = 0
         self._batches_committed = 0
         self._commit_failures = 0
-        self._errored: ExceptionWithTraceback | None = None
-        self._healing = False
-        self._pending_state: dict[str, Any] | None = None
-        self._quorum_future: Future[None] | None = None
-        self._participating_rank: int | None = None
-        self._participating_world_size = 0
+        self._errored: BaseException | None = None
+        self._quorum_future: Future[RoundOutcome] | None = None
+        # This step's round, once the training thread has taken it.
+        self._outcome: RoundOutcome | None = None
+        # The step's heal is settled (applied or dropped) by should_commit.
+        self._settled = True
         self._membership = GroupMembership(pg, config.group_rank)
         self._fingerprint_due = False
-        self._timeline: HealTimeline | None = None
         self.heal_timelines: list[HealTimeline] = []
-        self._pending_works: list[ManagedWork] = []
+        self._pending_work: list[torch.futures.Future[Any]] = []
 
-        self._server = None
-        self._own_store: Any = None
-        if client is not None:
-            # The test seam: no store, server or lighthouse; the client
-            # answers for heal sources too.
-            self._client: ManagerClientLike = client
-            self._replica_id = replica_id or "replica"
-            self._news = FailureNews(
-                None, self._replica_id, self._on_member_failed, config.connect_timeout
-            )
+        from ftdist.manager.bootstrap import bootstrap
 
-            def connect(address: str) -> ManagerClientLike:
-                return client
-        else:
-            from ftdist.manager.bootstrap import bootstrap
-
-            boot = bootstrap(config, replica_id)
-            self._own_store = boot.own_store
-            self._server = boot.server
-            self._client = boot.client
-            self._replica_id = boot.replica_id
-            self._news = boot.start_news(self._on_member_failed)
-
-            def connect(address: str) -> ManagerClientLike:
-                return ManagerClient(address, config.connect_timeout)
-
-        self._healer = Healer(self._transport, config.timeout, connect)
+        try:
+            boot = bootstrap(config, replica_id, self._on_member_failed, client)
+        except BaseException:
+            self._checkpoint_transport.shutdown(wait=False)
+            self._executor.shutdown(wait=False)
+            raise
+        self._server = boot.server
+        self._client = boot.client
+        self._replica_id = boot.replica_id
+        self._news = boot.news
+        self._own_store = boot.own_store
+        self._healer = Healer(self._checkpoint_transport, config.timeout, boot.connect)
+        self._round = QuorumRound(
+            client=self._client,
+            group_rank=config.group_rank,
+            transport=self._checkpoint_transport,
+            membership=self._membership,
+            healer=self._healer,
+            consistency=self._consistency,
+            init_sync=init_sync,
+            async_quorum=use_async_quorum,
+            fixed_with_spares=self._world_size_mode == WorldSizeMode.FIXED_WITH_SPARES,
+            min_replica_size=min_replica_size,
+            state_for_peers=self._manager_state_dict,
+            has_state=lambda: bool(self._user_state),
+            log_prefix=self._prefix,
+        )
         logger.info(
             "%s manager ready (group rank %d of %d)",
             self._prefix(),
@@ -251,20 +236,12 @@ class Manager:
             config.group_world_size,
         )
 
-    # -- state registration ----------------------------------------------------
-    def register_state_dict_fn(
-        self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
-    ) -> None:
-        """Register user state under ``key`` (e.g. one for the model, one for the optimizer).
-
-        Raises:
-            TypeError: either function is not callable.
-            ValueError: ``key`` is already registered.
-        """
-        self._user_state.register(key, load_state_dict, state_dict)
-
     def _manager_state_dict(self) -> dict[str, Any]:
-        return {"user": self._user_state.save(), "torchft": self.state_dict()}
+        return {
+            "user": self._user_state.save(),
+            "torchft": self.state_dict(),
+            "consistency": self._consistency.fingerprint(),
+        }
 
     def state_dict(self) -> dict[str, int]:
         """The Manager's own state: ``step`` and ``batches_committed``. Checkpoint it with yours."""
@@ -281,19 +258,29 @@ class Manager:
 
     # -- errors ------------------------------------------------------------------------
     def report_error(self, e: Exception) -> None:
-        """Record an error: this step will not commit. Cleared by the next quorum."""
+        """Record an error: this step will not commit. Cleared by the next quorum.
+
+        The error carries ``original_exception`` and ``stack_trace``
+        attributes; the last one reported is kept.
+        """
+        recorded = with_traceback(e)
         with self._lock:
-            if self._errored is None:
-                self._errored = ExceptionWithTraceback(e)
+            self._errored = recorded
         logger.warning("%s error recorded: %s", self._prefix(), e)
 
-    def errored(self) -> ExceptionWithTraceback | None:
-        """The first error recorded in this step, if any."""
+    def errored(self) -> BaseException | None:
+        """The error recorded in this step (the original exception), if any."""
         return self._errored
+
+    def _collective_failed(self, exc: BaseException) -> None:
+        """A collective of this step failed or timed out (from its completion thread)."""
+        self.report_error(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
+        if isinstance(exc, TimeoutError) and not isinstance(exc, CollectiveTimeoutError):
+            self._membership.abort_stuck()  # our deadline, not the backend's
 
     def _on_member_failed(self, replica_id: str, reason: str) -> None:
         """Failure news from the lighthouse: abort collectives that wait on the dead member."""
-        if self._membership.member_failed(replica_id, self._replica_id):
+        if self._membership.member_failed(replica_id, getattr(self, "_replica_id", "")):
             logger.warning(
                 "%s lighthouse reports replica %s failed (%s): aborted the process group",
                 self._prefix(),
@@ -307,6 +294,8 @@ class Manager:
     ) -> None:
         """Start this step's quorum (in the background unless ``use_async_quorum=False``).
 
+        A failed previous quorum does not stop this one: each step starts afresh.
+
         Args:
             allow_heal: heal (or serve peers) if needed; with False this
                 replica only joins the up-to-date set.
@@ -314,27 +303,43 @@ class Manager:
             timeout: overrides the quorum timeout for this round.
 
         Raises:
-            Exception: the previous quorum's misuse error, or (synchronous
-                mode) this quorum's failure.
+            ValueError: healing is needed but no state is registered
+                (asynchronous mode: raised by the next wait instead).
+            TimeoutError: (synchronous mode only) the quorum did not form.
+            RuntimeError: (synchronous mode only) the quorum call failed.
         """
-        if self._quorum_future is not None:
-            self._quorum_future.result()
-        self._pending_works = []
+        if not self._settled:
+            # A step that never reached should_commit: finish its round and
+            # its heal before starting the next one.
+            self._await_round()
+            self._settle_heal(self._timeout)
+        self._pending_work = []
         self._errored = None
-        self._healing = False
+        self._outcome = None
+        self._settled = False
+        self._round.init_sync = self._init_sync
+        every = self._config.check_consistency_every
+        periodic = every > 0 and self._step > 0 and self._step % every == 0
+        send_fingerprint, self._fingerprint_due = self._fingerprint_due or periodic, False
         self._quorum_future = self._executor.submit(
-            self._async_quorum, allow_heal, shrink_only, timeout or self._config.quorum_timeout
+            self._round.run,
+            step=self._step,
+            commit_failures=self._commit_failures,
+            send_fingerprint=send_fingerprint,
+            allow_heal=allow_heal,
+            shrink_only=shrink_only,
+            timeout=timeout or self._config.quorum_timeout,
         )
         if not self._use_async_quorum:
             self.wait_quorum()
-            if self._healing:
-                self._apply_pending_state()
+            self._settle_heal(self._timeout)
 
     def wait_quorum(self) -> None:
         """Block until the quorum started by :meth:`start_quorum` is done.
 
         Raises:
-            RuntimeError: :meth:`start_quorum` was never called.
+            RuntimeError: :meth:`start_quorum` was never called, or the
+                quorum call failed.
             ValueError: healing is needed but no state_dict function is registered.
             TimeoutError: the quorum did not form in time.
         """
@@ -345,107 +350,77 @@ class Manager:
             )
         self._quorum_future.result()
 
-    def _async_quorum(self, allow_heal: bool, shrink_only: bool, timeout: timedelta) -> None:
-        start = time.perf_counter()
-        data = None
-        if self._fingerprint_due and self._user_state:
-            data = self._user_state.fingerprint()
-            self._fingerprint_due = False
-        quorum = self._client.quorum(
-            group_rank=self._group_rank,
-            step=self._step,
-            checkpoint_metadata=self._transport.metadata(),
-            shrink_only=shrink_only,
-            init_sync=self._init_sync,
-            commit_failures=self._commit_failures,
-            timeout=timeout,
-            fingerprint=data,
-        )
-        quorum_s = time.perf_counter() - start
-        if quorum.divergence:
-            self.report_error(StateDivergenceError(quorum.divergence))
-            # Keep comparing until the replicas agree again.
-            self._fingerprint_due = True
-        self._participating_rank, self._participating_world_size = participation(
-            quorum,
-            async_quorum=self._use_async_quorum,
-            allow_heal=allow_heal,
-            fixed_with_spares=self._world_size_mode == WorldSizeMode.FIXED_WITH_SPARES,
-            min_replica_size=self._min_replica_size,
-        )
-        try:
-            reconfigure_s = self._membership.follow(quorum)
-        except Exception as exc:
-            self.report_error(exc)
-            return
-        if reconfigure_s is not None:
-            logger.info(
-                "%s reconfigured for quorum %d: %d replica groups %s",
-                self._prefix(),
-                quorum.quorum_id,
-                quorum.replica_world_size,
-                quorum.replica_ids,
-            )
-            # Replicas that just (re)joined must agree on their state: compare
-            # fingerprints at the next quorum.
-            self._fingerprint_due = True
-        reconfigure_s = reconfigure_s or 0.0
-        if not allow_heal:
-            return
-        needs_state = quorum.heal or bool(quorum.recover_dst_replica_ranks)
-        if needs_state and not self._user_state:
-            raise ValueError(
-                "healing is needed but no state_dict function is registered: pass "
-                "load_state_dict/state_dict to Manager or call "
-                "register_state_dict_fn()"
-            )
-        try:
-            if quorum.recover_dst_replica_ranks:
-                self.heal_timelines.append(
-                    self._healer.serve(quorum, self._manager_state_dict(), quorum_s, reconfigure_s)
-                )
-            if quorum.heal:
-                self._receive_state(quorum, quorum_s, reconfigure_s)
-        except Exception as exc:
-            self.report_error(exc)
+    def _await_round(self) -> RoundOutcome | None:
+        """Wait for this step's round and take its outcome (once).
 
-    def _receive_state(self, quorum: QuorumResult, quorum_s: float, reconfigure_s: float) -> None:
-        self._healing = True
-        state, timeline = self._healer.receive(quorum, self._group_rank, quorum_s, reconfigure_s)
-        self._pending_state = state
-        self.load_state_dict(state["torchft"])
-        self._step = quorum.max_step
-        self._timeline = timeline
+        A failed round is this step's error: it is recorded, and the next
+        step starts a fresh round.
 
-    def _apply_pending_state(self) -> None:
-        """Load a received state into the user's objects, from the training thread."""
-        self.wait_quorum()
-        pending, self._pending_state = self._pending_state, None
-        if pending is None:
-            assert self._errored is not None, "healing without state or error"
+        Returns:
+            The outcome, or None when the round failed (or never started).
+
+        Raises:
+            ValueError: misuse found by the round (no state registered).
+        """
+        if self._outcome is not None:
+            return self._outcome
+        if self._quorum_future is None:
+            return None
+        try:
+            outcome = self._quorum_future.result()
+        except (ValueError, TypeError):
+            raise
+        except Exception as exc:
+            if self._errored is None:
+                self.report_error(exc)
+            return None
+        self._outcome = outcome
+        for error in outcome.errors:
+            self.report_error(error)
+        self.heal_timelines.extend(outcome.served)
+        if outcome.reconfigured or bool(getattr(outcome.quorum, "divergence", "")):
+            # Replicas that just (re)joined, or healed after diverging, must
+            # agree on their state: compare fingerprints at the next quorum.
+            self._fingerprint_due = True
+        return outcome
+
+    def _settle_heal(self, timeout: timedelta) -> None:
+        """Apply a received state and move to its step, on the training thread.
+
+        Every rank of a healing replica group votes on whether it received
+        its part; all apply, or none does (a group never splits across two
+        steps; it heals again at the next quorum).
+        """
+        outcome = self._outcome
+        if outcome is None or outcome.heal_settled:
             return
-        start = time.perf_counter()
-        received = fingerprint({"user": pending["user"]})
-        self._user_state.load(pending["user"])
-        # Whatever was received must now be what state_dict() returns: a
-        # load function that skips something (a scheduler, a learning rate)
-        # would otherwise leave this replica silently different.
-        loaded = self._user_state.fingerprint()
-        differ = differing_parts(received, loaded)
-        if differ:
-            self.report_error(
-                StateDivergenceError(
-                    f"the state loaded while healing does not match the state received: {differ} "
-                    "differ; make load_state_dict restore everything state_dict returns"
+        outcome.heal_settled = True
+        healing, staged = outcome.heal, outcome.staged
+        outcome.heal, outcome.staged = False, None
+        group_vote = self._config.group_world_size > 1 and getattr(
+            outcome.quorum, "group_heals", False
+        )
+        # Only the transfers count here: an unrelated error of the step
+        # fails the step, not the heal, which still moves state and step.
+        if group_vote and not self._vote(staged is not None or not healing, timeout):
+            if self._errored is None:  # keep this rank's own cause, if any
+                self.report_error(
+                    RecoveryError(
+                        "a rank of the replica group did not receive its part of the heal; "
+                        "no rank applies it, and the group heals again at the next quorum"
+                    )
                 )
-            )
-        timeline = self._timeline
-        if timeline is not None:
-            timeline.load_s = time.perf_counter() - start
-            self.heal_timelines.append(timeline)
-            logger.info("%s %s", self._prefix(), timeline.summary())
-            self._timeline = None
-        self._healing = False
+            return
+        if staged is None:
+            return
+        error = load_received(staged.state, self._user_state, self._consistency, staged.timeline)
+        self.load_state_dict(staged.state["torchft"])
+        self._step = staged.step
+        if error is not None:
+            self.report_error(error)
+        self._fingerprint_due = True
+        self.heal_timelines.append(staged.timeline)
+        logger.info("%s %s", self._prefix(), staged.timeline.summary())
 
     # -- the step ---------------------------------------------------------------------------
     def allreduce(
@@ -453,73 +428,91 @@ class Manager:
         tensor: torch.Tensor,
         should_quantize: bool = False,
         reduce_op: dist.ReduceOp.RedOpType = dist.ReduceOp.AVG,
-    ) -> dist.Work:
-        """Fault-tolerant allreduce of ``tensor`` over the participating replicas.
+    ) -> AllreduceResult:
+        """Fault-tolerant allreduce of ``tensor``, in place, over the participants.
 
         ``AVG`` divides by the number of participants. A replica that is
-        healing (or a spare) contributes zeros. Errors are recorded, never
-        raised: the returned work's ``wait()`` returns False and its future
-        resolves to the tensor as it is.
+        healing (or a spare) contributes zeros. So does a replica whose step
+        already failed: it still takes part, so that its peers are not left
+        waiting, and votes no. Errors are recorded, never raised.
+        ``should_quantize`` is accepted for torchft compatibility; the
+        reduction runs at full precision.
+
+        Returns:
+            An :class:`~ftdist.manager.work.AllreduceResult`: a future of the
+            tensor that is also a ``Work`` (``wait()``, ``get_future()``).
 
         Raises:
-            ValueError: ``AVG`` of a non-floating-point tensor.
+            ValueError: ``AVG`` of a tensor that is not floating point.
         """
-        if self._errored is not None:
-            return CompletedWork(tensor)
-        self.wait_quorum()
-        participants = self.num_participants()
-        if not self.is_participating():
+        if reduce_op == dist.ReduceOp.AVG and not tensor.is_floating_point():
+            raise ValueError(
+                f"ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}; "
+                "use ReduceOp.SUM and divide"
+            )
+        outcome = self._await_round()
+        if outcome is None or not outcome.configured:
+            return AllreduceResult(self, None, tensor, None, self._timeout)
+        if self._errored is not None or not self.is_participating():
             tensor.zero_()
-        op = reduce_op
-        divisor = None
+        op, divisor = reduce_op, None
         if reduce_op == dist.ReduceOp.AVG:
-            if not tensor.is_floating_point():
-                raise ValueError(f"ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}")
-            op, divisor = dist.ReduceOp.SUM, participants
+            op, divisor = dist.ReduceOp.SUM, outcome.participating_world_size
         try:
             work = self._pg.allreduce([tensor], op)
         except Exception as exc:
             self.report_error(exc)
-            return CompletedWork(tensor)
-        managed = ManagedWork(self, work, tensor, divisor, self._config.timeout)
-        self._pending_works.append(managed)
-        return managed
+            return AllreduceResult(self, None, tensor, None, self._timeout)
+        result = AllreduceResult(self, work, tensor, divisor, self._timeout)
+        self._pending_work.append(result)
+        return result
+
+    def wrap_future(
+        self, fut: torch.futures.Future[T], default: T, timeout: timedelta | None = None
+    ) -> torch.futures.Future[T]:
+        """``fut``, bounded by ``timeout`` and made fault tolerant.
+
+        The returned future resolves to ``fut``'s value, or, if ``fut``
+        fails or does not complete within ``timeout`` (default: the Manager's
+        timeout), the error is recorded (the step votes no) and it resolves
+        to ``default``. :meth:`should_commit` waits for it.
+        """
+        wrapped = bounded_future(fut, default, timeout or self._timeout, self._collective_failed)
+        self._pending_work.append(wrapped)
+        return wrapped
 
     def should_commit(self, timeout: timedelta | None = None) -> bool:
         """Vote on this step with the other ranks of the replica group.
 
-        Applies a received state first. Returns True if every rank can
-        commit: enough replicas participated and no error was recorded.
+        Waits for the step's collectives, applies a received state (once
+        every rank of the group confirms it received its part), then votes.
+        True if every rank can commit: enough replicas participated and no
+        error was recorded.
 
         Raises:
             RuntimeError: more than ``max_retries`` consecutive steps failed.
+            ValueError: healing was needed but no state is registered.
         """
-        # Every collective of the step must be done (and its errors recorded)
-        # before the vote, even if the caller never waited on it.
-        pending, self._pending_works = self._pending_works, []
+        timeout = timeout or self._timeout
+        # Every collective of the step must be done (and its errors
+        # recorded) before the vote, even if the caller never waited on it.
+        pending, self._pending_work = self._pending_work, []
         for work in pending:
             work.wait()
+        self._await_round()
         pg_error = self._pg.errored()
-        # An abort on failure news is not an error of this step by itself:
-        # collectives it cut short reported their own errors.
-        if pg_error is not None and not (
+        # An abort on failure news is not an error by itself: collectives it
+        # cut short reported their own errors.
+        if isinstance(pg_error, BaseException) and not (
             self._membership.broken and isinstance(pg_error, ProcessGroupAbortedError)
         ):
             self.report_error(pg_error)
-        if self._healing:
-            self._apply_pending_state()
-        else:
-            self.wait_quorum()
+        self._settle_heal(timeout)
+        self._settled = True
         enough = self.num_participants() >= self._min_replica_size
         local = enough and self._errored is None
-        if self._config.group_world_size == 1:
-            # A vote of one: no round trip to the server.
-            decision = local
-        else:
-            decision = self._client.should_commit(
-                self._group_rank, self._step, local, timeout or self._config.timeout
-            )
-        self._transport.disallow_checkpoint()
+        decision = self._vote(local, timeout)
+        self._checkpoint_transport.disallow_checkpoint()
         logger.debug("%s commit vote %s -> %s", self._prefix(), local, decision)
         if decision:
             self._step += 1
@@ -528,12 +521,24 @@ class Manager:
         else:
             self._commit_failures += 1
             if self._max_retries is not None and self._commit_failures > self._max_retries:
+                last = self._errored
                 raise RuntimeError(
-                    f"should_commit failed {self._commit_failures} times in a row, "
-                    f"more than max_retries={self._max_retries}; last error: "
-                    f"{self._errored}"
+                    f"should_commit failed {self._commit_failures} times consecutively, "
+                    f"exceeding max_retries={self._max_retries}; last error: "
+                    f"{type(last).__name__ if last else 'none'}: {last}"
                 )
         return decision
+
+    def _vote(self, local: bool, timeout: timedelta) -> bool:
+        if self._config.group_world_size == 1:
+            return local  # a vote of one: no round trip to the server
+        try:
+            return bool(
+                self._client.should_commit(self._group_rank, self._step, local, timeout=timeout)
+            )
+        except Exception as exc:
+            self.report_error(exc)
+            return False
 
     # -- accessors ---------------------------------------------------------------------------
     def current_step(self) -> int:
@@ -546,23 +551,25 @@ class Manager:
 
     def participating_rank(self) -> int | None:
         """This replica's rank among the participants, or None (healing, spare, no quorum)."""
-        if self._quorum_future is None:
-            return None
-        self.wait_quorum()
-        return self._participating_rank
+        outcome = self._await_round()
+        return None if outcome is None else outcome.participating_rank
 
     def num_participants(self) -> int:
         """How many replica groups take part in this step (0 before the first quorum)."""
-        if self._quorum_future is None:
-            return 0
-        self.wait_quorum()
-        return self._participating_world_size
+        outcome = self._await_round()
+        return 0 if outcome is None else outcome.participating_world_size
 
     def is_participating(self) -> bool:
         """False while healing or as a spare: this replica contributes zeros."""
         if self.participating_rank() is None:
             return False
         return not (self._healing and self._use_async_quorum)
+
+    @property
+    def _healing(self) -> bool:
+        """This step heals this replica (its state is applied at the vote)."""
+        outcome = self._outcome
+        return outcome is not None and outcome.heal
 
     def replica_id(self) -> str:
         """This replica group's full id (with its uuid)."""
@@ -576,18 +583,17 @@ class Manager:
         return f"[{getattr(self, '_replica_id', '?')}/{self._group_rank} - step {self._step}]"
 
     def shutdown(self, wait: bool = True) -> None:
-        """Stop the server (group rank 0), the transport and background threads.
+        """Leave the job: stop the server (group rank 0), the transport and threads.
 
-        The process group is the caller's and is left alone.
+        The lighthouse is told that the replica group is leaving, so peers
+        do not wait for it or report it dead. The process group is the
+        caller's and is left alone.
         """
-        self._news.close()
-        self._transport.shutdown(wait)
+        self._news.close(leaving=True)
+        self._checkpoint_transport.shutdown(wait)
         self._executor.shutdown(wait=wait, cancel_futures=True)
         self._client.close()
         self._healer.close()
         if self._server is not None:
-            self._server.shutdown()
+            self._server.shutdown(leaving=True)
         self._own_store = None
-
-
-__all__ = ["ExceptionWithTraceback", "Manager", "WorldSizeMode"]

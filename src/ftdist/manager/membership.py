@@ -81,3 +81,12 @@ class GroupMembership:
         self.broken = True
         self.pg.abort()
         return True
+
+    def abort_stuck(self) -> None:
+        """Abort a backend stuck past the Manager's own deadline.
+
+        A stopped peer or a hung Baby child: aborting fails what waits on it
+        (and kills a hung child); the next quorum rebuilds the group.
+        """
+        self.broken = True
+        self.pg.abort()

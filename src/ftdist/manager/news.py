@@ -20,6 +20,9 @@ from ftdist.lighthouse.client import LighthouseClient
 
 logger = logging.getLogger(__name__)
 
+# Leaving must not hold up a process that is exiting.
+_LEAVE_TIMEOUT_S = 2.0
+
 
 class FailureNews:
     """Follows the lighthouse's failure-news stream on a thread.
@@ -80,8 +83,21 @@ class FailureNews:
             self._closed.wait(backoff)
             backoff = min(backoff * 2, 5.0)
 
-    def close(self) -> None:
-        """Stop following the stream; joins the thread."""
+    def close(self, leaving: bool = False) -> None:
+        """Stop following the stream; joins the thread.
+
+        Args:
+            leaving: the replica group leaves the job: tell the lighthouse
+                first, so that this stream's end is not taken for a death.
+        """
+        if leaving and self._addr:
+            try:
+                with LighthouseClient(self._addr, _LEAVE_TIMEOUT_S) as client:
+                    client.leave(self._replica_id, timeout=_LEAVE_TIMEOUT_S)
+            except Exception as exc:  # leaving is best effort; closing is not
+                logger.info(
+                    "could not tell the lighthouse that %s leaves: %s", self._replica_id, exc
+                )
         self._closed.set()
         with self._lock:
             if self._stream is not None:

@@ -23,6 +23,7 @@ The rule (torchft's):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -78,9 +79,18 @@ class QuorumResult:
 
 
 def compute_quorum_results(
-    replica_id: str, group_rank: int, quorum_id: int, members: Sequence[MemberLike], init_sync: bool
+    replica_id: str,
+    group_rank: int,
+    quorum_id: int,
+    members: Sequence[MemberLike],
+    init_sync: bool,
+    diverged: AbstractSet[str] = frozenset(),
 ) -> QuorumResult:
     """Compute what group rank ``group_rank`` of ``replica_id`` does in this quorum.
+
+    ``diverged`` names members at the max step whose state disagrees with
+    the majority's (:func:`find_divergence`): they heal like members that
+    are behind, from a member that is not diverged.
 
     Raises:
         LookupError: ``replica_id`` is not a member of the quorum.
@@ -98,14 +108,19 @@ def compute_quorum_results(
         raise LookupError(f"replica {replica_id} is not a member of quorum {quorum_id}") from None
 
     max_step = max(m.step for m in ordered)
-    up_to_date = [m for m in ordered if m.step == max_step]
+    up_to_date = [m for m in ordered if m.step == max_step and m.replica_id not in diverged]
+    if not up_to_date:  # never: the majority is not diverged; stay safe anyway
+        up_to_date = [m for m in ordered if m.step == max_step]
+        diverged = frozenset()
     primary = up_to_date[group_rank % len(up_to_date)]
     # At step 0 with init_sync, everyone copies the primary's initial state.
     force = init_sync and max_step == 0
     recovering = [
         i
         for i, m in enumerate(ordered)
-        if m.step != max_step or (force and m.replica_id != primary.replica_id)
+        if m.step != max_step
+        or m.replica_id in diverged
+        or (force and m.replica_id != primary.replica_id)
     ]
     sources = [i for i in range(len(ordered)) if i not in set(recovering)]
 
@@ -144,38 +159,91 @@ class _HasData(Protocol):
     def data(self) -> dict[str, Any] | None: ...
 
 
-def find_divergence(members: Sequence[_HasData]) -> str | None:
-    """Compare the state fingerprints members attached to their quorum requests.
+@dataclass(frozen=True)
+class Divergence:
+    """Replicas at the same step whose consistency parts disagree.
 
-    Members at the same step must hold the same state: for every group rank
-    and every part they both fingerprinted, the values must match. Members
-    attach fingerprints (in ``data["fingerprint"]``, by group rank, then part
-    name) after a reconfigure, so this catches a heal that left a replica
-    different (a stale learning rate, a missed buffer) at once, instead of
-    letting replicas drift apart.
+    Attributes:
+        minority: the replica ids that must heal from the majority.
+        report: what differs and where, for the log.
+    """
+
+    minority: frozenset[str]
+    report: str
+
+
+def _history(fp: dict[str, Any]) -> tuple[tuple[str, str, int], ...]:
+    """A replica's fingerprints as one comparable value."""
+    return tuple(
+        sorted((str(g), str(p), int(v)) for g, parts in fp.items() for p, v in parts.items())
+    )
+
+
+def find_divergence(members: Sequence[_HasData]) -> Divergence | None:
+    """Which replicas hold a different state than the majority at their step.
+
+    Members attach fingerprints of their consistency parts (in
+    ``data["fingerprint"]``, by group rank, then part name) after a
+    reconfigure. Replicas at the same step must agree on every part they
+    both report. Among those that do not, the largest set of identical
+    histories wins; a tie goes to the set holding the replica id that sorts
+    first. Everyone else is the minority: it heals from the majority, so
+    that the job never stalls on a disagreement and two histories of the
+    same step (replica groups that trained apart) become one.
 
     Returns:
-        None if all agree, else a message naming what differs and where.
+        None if every step's reporters agree, else the minority and a report.
     """
     by_step: dict[int, list[tuple[str, dict[str, Any]]]] = {}
     for m in members:
-        fp = (m.data or {}).get("fingerprint") if isinstance(m.data, dict) else None
-        if fp:
+        fp = m.data.get("fingerprint") if isinstance(m.data, dict) else None
+        if isinstance(fp, dict) and fp:
             by_step.setdefault(m.step, []).append((m.replica_id, fp))
+    minority: set[str] = set()
     problems = []
     for step, reports in sorted(by_step.items()):
         if len(reports) < 2:
             continue
-        for group_rank in sorted(set.intersection(*(set(fp) for _, fp in reports))):
-            parts = set.intersection(*(set(fp[group_rank]) for _, fp in reports))
-            for part in sorted(parts):
-                values = {rid: fp[group_rank][part] for rid, fp in reports}
-                if len(set(values.values())) > 1:
-                    seen = ", ".join(f"{rid}: {v:#010x}" for rid, v in sorted(values.items()))
-                    problems.append(f"'{part}' of group rank {group_rank} at step {step} ({seen})")
-    if not problems:
+        groups: dict[tuple[tuple[str, str, int], ...], list[str]] = {}
+        for rid, fp in reports:
+            groups.setdefault(_history(fp), []).append(rid)
+        if len(groups) == 1:
+            continue
+        winner = min(groups.values(), key=lambda ids: (-len(ids), min(ids)))
+        losers = sorted(rid for ids in groups.values() if ids is not winner for rid in ids)
+        minority.update(losers)
+        reports_by_id = dict(reports)
+        differing: set[str] = set()
+        for rid in losers:
+            ref = reports_by_id[winner[0]]
+            own = reports_by_id[rid]
+            for g in set(ref) & set(own):
+                differing.update(
+                    f"'{p}' of group rank {g}"
+                    for p in set(ref[g]) | set(own[g])
+                    if ref[g].get(p) != own[g].get(p)
+                )
+        problems.append(
+            f"at step {step}, {losers} differ from {sorted(winner)} in "
+            f"{', '.join(sorted(differing)) or 'the parts they report'}"
+        )
+    if not minority:
         return None
-    return "replica state diverged after recovery: " + "; ".join(problems)
+    return Divergence(
+        frozenset(minority),
+        "replica state diverged: " + "; ".join(problems) + "; the minority heals from the majority",
+    )
+
+
+def heal_requests(members: Sequence[_HasData]) -> frozenset[str]:
+    """Members that ask to heal whatever their step (``data["heal"]``).
+
+    A replica group whose ranks ended up at different steps asks this: it
+    reports its oldest rank's step, and every rank heals from a peer.
+    """
+    return frozenset(
+        m.replica_id for m in members if isinstance(m.data, dict) and m.data.get("heal") is True
+    )
 
 
 def participation(

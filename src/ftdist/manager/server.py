@@ -14,8 +14,11 @@ torchft's ``torchft.ManagerService`` to every rank of the group:
 
 It also heartbeats the lighthouse. Unlike torchft's server, a failed
 lighthouse call is reported to every waiting rank at once (none is left to
-wait for its own deadline), and the ranks' steps are checked: group ranks
-that disagree on the step (or vote on different steps) get a clear error.
+wait for its own deadline). Group ranks at different steps (a heal that
+reached only some of them) make the group report its oldest step, so the
+whole group heals again; votes on different steps never commit. Replicas
+whose consistency fingerprints disagree with the majority's
+(:func:`~ftdist.manager.rule.find_divergence`) heal from it.
 
 Calls are few (a handful per rank per step), so each call is served on a
 thread of a pool and simply waits for its round to finish.
@@ -45,13 +48,15 @@ from ftdist._rpc._proto import torchft_pb2
 from ftdist._rpc.auth import TokenInterceptor, server_credentials
 from ftdist.lighthouse.client import LighthouseClient
 from ftdist.lighthouse.types import Quorum
-from ftdist.manager.rule import compute_quorum_results, find_divergence
+from ftdist.manager.rule import compute_quorum_results, find_divergence, heal_requests
 
 logger = logging.getLogger(__name__)
 
 # A quorum request's fingerprint travels to the lighthouse in the member's
 # data, which the lighthouse caps at 64 KiB.
 _MAX_FINGERPRINT_BYTES = 64 * 1024
+# Leaving must not hold up a process that is exiting.
+_LEAVE_TIMEOUT_S = 2.0
 
 
 @dataclass
@@ -63,6 +68,7 @@ class _Round:
     done: threading.Event = field(default_factory=threading.Event)
     quorum: Quorum | None = None
     divergence: str = ""
+    diverged: frozenset[str] = frozenset()
     decision: bool = False
     error: tuple[grpc.StatusCode, str] | None = None
 
@@ -171,8 +177,21 @@ class ManagerServer:
         host = f"[{self._hostname}]" if ":" in self._hostname else self._hostname
         return f"http://{host}:{self._port}"
 
-    def shutdown(self) -> None:
-        """Stop serving and heartbeating; calls still waiting get UNAVAILABLE."""
+    def shutdown(self, leaving: bool = False) -> None:
+        """Stop serving and heartbeating; calls still waiting get UNAVAILABLE.
+
+        Args:
+            leaving: the replica group leaves the job: tell the lighthouse
+                first (best effort), so that peers neither wait for it nor
+                report it dead.
+        """
+        if leaving and not self._stopped.is_set():
+            try:
+                self._lighthouse.leave(self._replica_id, timeout=_LEAVE_TIMEOUT_S)
+            except Exception as exc:
+                logger.info(
+                    "[%s] could not tell the lighthouse it leaves: %s", self._replica_id, exc
+                )
         self._stopped.set()
         with self._lock:
             rounds = [self._quorum_round, self._commit_round]
@@ -237,15 +256,20 @@ class ManagerServer:
             context.abort(*current.error)
         assert current.quorum is not None
         try:
-            result = compute_quorum_results(
-                self._replica_id,
-                rank,
-                current.quorum.quorum_id,
-                current.quorum.participants,
-                request.init_sync,
-            )
+            results = [
+                compute_quorum_results(
+                    self._replica_id,
+                    group_rank,
+                    current.quorum.quorum_id,
+                    current.quorum.participants,
+                    request.init_sync,
+                    current.diverged,
+                )
+                for group_rank in range(self._world_size)
+            ]
         except LookupError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        result = results[rank]
         created = current.quorum.created
         return torchft_pb2.ManagerQuorumResponse(
             quorum_id=result.quorum_id,
@@ -263,23 +287,34 @@ class ManagerServer:
             replica_ids=result.replica_ids,
             divergence=current.divergence,
             quorum_created_ns=created.seconds * 1_000_000_000 + created.nanos,
+            group_heals=any(r.heal for r in results),
         )
 
     def _run_quorum(self, current: _Round, timeout: float) -> None:
         requests: dict[int, torchft_pb2.ManagerQuorumRequest] = current.arrivals
         try:
             steps = {r: q.step for r, q in requests.items()}
+            step = min(steps.values())
             if len(set(steps.values())) > 1:
-                current.error = (
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"group ranks of {self._replica_id} disagree on the step: "
-                    f"{dict(sorted(steps.items()))}",
+                # A heal that reached some group ranks and not others (its
+                # source died mid-transfer) leaves the ranks apart. The group
+                # is as old as its oldest rank: reporting that step makes the
+                # whole group heal again, from a peer at the quorum's max step.
+                logger.warning(
+                    "[%s] group ranks are at different steps %s: reporting step %d so the "
+                    "group heals",
+                    self._replica_id,
+                    dict(sorted(steps.items())),
+                    step,
                 )
-                return
             fingerprints = {
                 str(r): json.loads(q.fingerprint) for r, q in requests.items() if q.fingerprint
             }
-            data = {"fingerprint": fingerprints} if fingerprints else None
+            data: dict[str, Any] = {"fingerprint": fingerprints} if fingerprints else {}
+            if len(set(steps.values())) > 1:
+                # Ask to heal even from peers at the reported step: a rank
+                # ahead of it must come back to the group's state.
+                data["heal"] = True
             deadline = time.monotonic() + timeout
             for attempt in range(self._quorum_retries + 1):
                 try:
@@ -288,10 +323,10 @@ class ManagerServer:
                         timeout=max(0.01, deadline - time.monotonic()),
                         address=self.address(),
                         store_address=self._store_addr,
-                        step=next(iter(steps.values())),
+                        step=step,
                         world_size=self._world_size,
                         shrink_only=any(q.shrink_only for q in requests.values()),
-                        data=data,
+                        data=data or None,
                         commit_failures=max(q.commit_failures for q in requests.values()),
                     )
                     break
@@ -309,7 +344,11 @@ class ManagerServer:
                         return
                     time.sleep(min(0.1 * (attempt + 1), max(0.0, deadline - time.monotonic())))
             assert current.quorum is not None
-            current.divergence = find_divergence(current.quorum.participants) or ""
+            divergence = find_divergence(current.quorum.participants)
+            if divergence is not None:
+                current.divergence, current.diverged = divergence.report, divergence.minority
+                logger.warning("[%s] %s", self._replica_id, divergence.report)
+            current.diverged |= heal_requests(current.quorum.participants)
         except Exception as exc:  # never leave ranks waiting on a bug
             logger.exception("quorum round failed")
             current.error = (grpc.StatusCode.INTERNAL, f"manager server error: {exc}")

@@ -1,74 +1,224 @@
-"""The work a Manager allreduce returns."""
+"""
+What a Manager allreduce returns
+================================
+
+:meth:`Manager.allreduce <ftdist.manager.Manager.allreduce>` returns an
+:class:`AllreduceResult`: a ``torch.futures.Future`` of the reduced tensor
+that also answers the ``Work`` methods. It serves both generations of
+torchft's API:
+
+* seed era (early 2025): the future itself. A DDP comm hook may return it
+  as is (it completes on its own, without anyone calling ``wait``), and
+  ``wait()``/``value()`` return the tensor.
+* today's torchft: a ``Work`` with ``get_future()``, ``wait()``,
+  ``is_completed()``, ``synchronize()``, ``block_current_stream()``.
+
+Where the two conflict, the seed wins: ``wait()`` returns the tensor, not
+``True``/``False`` (so ``if not work.wait():`` does not work on a tensor of
+several elements; test ``manager.errored()`` instead). The result is
+therefore not a ``torch.distributed.Work``; :class:`ResultWork` adapts it
+where one is required (``ManagedProcessGroup``).
+
+Every result completes within the Manager's timeout: a collective that
+hangs (a stopped peer, a hung Baby child) becomes a recorded error, the
+Manager aborts its process group (which kills a hung Baby child), and the
+result resolves to the tensor as it is. Errors are never raised from
+``wait()`` or ``value()``; they go to the Manager and the step votes no.
+"""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from ftdist._deadlines import future_with_timeout
+
 if TYPE_CHECKING:
-    from ftdist.manager import Manager
+    from ftdist.manager.manager import Manager
+
+__all__ = ["AllreduceResult", "ResultWork", "bounded_future"]
+
+T = TypeVar("T")
 
 
-class ManagedWork(dist._Work):
-    """A Manager allreduce: never raises; averages on completion.
+def bounded_future(
+    fut: torch.futures.Future[T],
+    default: T,
+    timeout: timedelta,
+    on_error: Callable[[BaseException], None],
+) -> torch.futures.Future[T]:
+    """``fut``'s value, or ``default`` once ``fut`` failed or ``timeout`` passed.
 
-    Errors go to the Manager (the step will not commit) instead of to the
-    caller: :meth:`wait` returns False and the future resolves to the
-    tensor as it is.
+    The failure (a ``TimeoutError`` for the timeout) goes to ``on_error``;
+    the returned future never fails.
+    """
+    bounded = future_with_timeout(fut, timeout)
+    out: torch.futures.Future[T] = torch.futures.Future()
+
+    def settle(f: torch.futures.Future[T]) -> None:
+        try:
+            value = f.value()
+        except Exception as exc:
+            on_error(exc)
+            value = default
+        out.set_result(value)
+
+    bounded.add_done_callback(settle)
+    return out
+
+
+class AllreduceResult(torch.futures.Future[torch.Tensor]):
+    """The reduced tensor of one Manager allreduce; also a ``Work``.
+
+    Completes (eagerly) when the collective does: with the tensor reduced in
+    place and divided by ``divisor`` for an average, or, after an error or a
+    timeout (recorded with the Manager), with the tensor as it is.
+
+    Args:
+        manager: the Manager that records errors.
+        work: the process group's work, or None when nothing runs (the
+            result is complete at once).
+        tensor: the tensor being reduced in place.
+        divisor: divide by this when the reduction completes (None: don't).
+        timeout: bound on the collective.
     """
 
     def __init__(
         self,
         manager: Manager,
-        work: dist.Work,
+        work: Any,
         tensor: torch.Tensor,
         divisor: int | None,
         timeout: timedelta,
     ) -> None:
         super().__init__()
-        self._timeout = timeout
-        self._manager = manager
-        self._work = work
         self._tensor = tensor
-        self._divisor = divisor
-        self._lock = threading.Lock()
-        self._future: torch.futures.Future[Any] | None = None
+        self._chained: list[torch.futures.Future[Any]] = []
+        self._chain_lock = threading.Lock()
+        self._done = threading.Event()
+        if work is None:
+            self._complete()
+            return
+        # Callbacks attached with add_done_callback (not then) see the
+        # collective's own exception, where then() would rewrap it.
+        bounded = future_with_timeout(work.get_future(), timeout)
 
-    def _finish(self) -> None:
-        with self._lock:
-            divisor, self._divisor = self._divisor, None
-        if divisor:
-            self._tensor /= divisor
+        def settle(f: torch.futures.Future[Any]) -> None:
+            try:
+                f.value()
+            except Exception as exc:
+                manager._collective_failed(exc)
+            else:
+                if divisor:
+                    tensor.div_(divisor)
+            self._complete()
 
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        """Wait for the allreduce; on failure record it and return False."""
-        try:
-            self._work.wait(timeout or self._timeout)
-        except Exception as exc:
-            self._manager.report_error(exc)
-            return False
-        self._finish()
-        return True
+        bounded.add_done_callback(settle)
 
-    def get_future(self) -> torch.futures.Future[Any]:
-        """Resolves to the (averaged) tensor; on failure, to the tensor as is."""
-        if self._future is None:
+    def _complete(self) -> None:
+        self._done.set()
+        self.set_result(self._tensor)
 
-            def done(fut: torch.futures.Future[Any]) -> torch.Tensor:
-                try:
-                    fut.value()
-                except Exception as exc:
-                    self._manager.report_error(exc)
-                    return self._tensor
-                self._finish()
+    def then(
+        self, callback: Callable[[torch.futures.Future[torch.Tensor]], Any]
+    ) -> torch.futures.Future[Any]:
+        """Run ``callback`` on this future once the reduction is done.
+
+        :meth:`wait` returns only after every callback attached here ran.
+        """
+        fut = super().then(callback)
+        with self._chain_lock:
+            self._chained.append(fut)
+        return fut
+
+    def wait(self, timeout: timedelta | None = None) -> torch.Tensor:
+        """Wait for the reduction and the callbacks attached with :meth:`then`.
+
+        Args:
+            timeout: give up waiting after this long (the result still
+                completes within the Manager's timeout on its own).
+
+        Returns:
+            The tensor (reduced, or as it was after an error).
+        """
+        if timeout is not None:
+            self._done.wait(timeout.total_seconds())
+            if not self._done.is_set():
                 return self._tensor
+        super().wait()
+        with self._chain_lock:
+            chained = list(self._chained)
+        for fut in chained:
+            try:
+                fut.wait()
+            except Exception:  # a user callback's own error; the step result stands
+                pass
+        return self._tensor
 
-            self._future = self._work.get_future().then(done)
-        return self._future
+    def get_future(self) -> AllreduceResult:
+        """This result (a future of the reduced tensor)."""
+        return self
 
     def is_completed(self) -> bool:
-        return bool(self._work.is_completed())
+        """Whether the reduction finished (or failed, or timed out)."""
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        """Whether it completed; errors are the Manager's, see ``Manager.errored()``."""
+        return self._done.is_set()
+
+    def exception(self) -> None:
+        """Always None: errors go to the Manager, not to the result."""
+        return None
+
+    def result(self) -> list[torch.Tensor]:
+        """``[tensor]``, as a ``Work`` reports its outputs."""
+        self.wait()
+        return [self._tensor]
+
+    def synchronize(self) -> None:
+        """Wait for the reduction (CPU tensors: nothing to order on a stream)."""
+        self.wait()
+
+    def block_current_stream(self, timeout: timedelta | None = None) -> None:
+        """Wait for the reduction before the current stream goes on."""
+        self.wait(timeout)
+
+
+class ResultWork(dist._Work):
+    """A ``torch.distributed.Work`` over an :class:`AllreduceResult`.
+
+    For callers that need a real ``Work`` (``dist.all_reduce(t, group=...)``
+    on a ``ManagedProcessGroup``): ``wait()`` returns True once the result is
+    done; errors stay with the Manager.
+    """
+
+    def __init__(self, result: torch.futures.Future[torch.Tensor]) -> None:
+        super().__init__()
+        self._result = result
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Wait for the allreduce; True (its errors are the Manager's)."""
+        self._result.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether the allreduce finished."""
+        return bool(self._result.done())
+
+    def is_success(self) -> bool:
+        """Whether it finished."""
+        return bool(self._result.done())
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        """A future of ``[tensor]``."""
+        return self._result.then(lambda f: [f.value()])
+
+    def result(self) -> list[torch.Tensor]:
+        """``[tensor]`` once done."""
+        return [self._result.wait()]

@@ -78,7 +78,12 @@ class ManagedProcessGroup(ProcessGroupWrapper):
             op = opts.reduceOp
         else:
             op = opts
-        work: dist.Work = self._manager.allreduce(tensors[0], reduce_op=_reduce_op(op))
+        result = self._manager.allreduce(tensors[0], reduce_op=_reduce_op(op))
+        if isinstance(result, torch.futures.Future) and not isinstance(result, dist._Work):
+            from ftdist.manager.work import ResultWork
+
+            return ResultWork(result)
+        work: dist.Work = result
         return work
 
     def _collective(self, op: str, args: tuple[Any, ...], post: Post = None) -> dist.Work:

@@ -11,6 +11,7 @@ on a dead peer.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -88,9 +89,9 @@ class ProcessGroupNCCL(ProcessGroupWrapper):
         if not isinstance(backend, ProcessGroup) and not self._static:
             _abort_communicator(backend)
 
-    def _bury(self, backend: Any) -> None:
+    def _bury(self, backend: Any, busy: Callable[[], bool]) -> None:
         _abort_communicator(backend)
-        super()._bury(backend)
+        super()._bury(backend, busy)
 
 
 def _abort_communicator(backend: Any) -> None:

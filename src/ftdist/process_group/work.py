@@ -155,6 +155,18 @@ class Generation:
         self.error: ProcessGroupAbortedError | None = None
         self._lock = threading.Lock()
         self._listeners: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._works: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def track(self, work: Any) -> None:
+        """Count ``work`` (an object with ``in_flight()``) as this backend's."""
+        with self._lock:
+            self._works.add(work)
+
+    def busy(self) -> bool:
+        """Whether the backend may still be running an op of one of its works."""
+        with self._lock:
+            works = list(self._works)
+        return any(w.in_flight() for w in works)
 
     def add_listener(self, listener: Any) -> bool:
         """Register an object with an ``_on_abort(err)`` method.
@@ -277,6 +289,14 @@ class FtWork(dist._Work):
         self._outcome: tuple[Any, CommunicationError | None] | None = None
         self._event = threading.Event()
         self._future: _SettableOnce | None = None
+        generation.track(self)
+
+    def in_flight(self) -> bool:
+        """Whether the backend may still be running this op (or its callbacks)."""
+        try:
+            return not bool(self._inner.is_completed())
+        except Exception:  # a backend that cannot tell: assume the worst
+            return True
 
     # -- completion ---------------------------------------------------------
     def _run_post(self) -> None:

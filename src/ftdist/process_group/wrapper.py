@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -38,32 +39,44 @@ DEFAULT_TIMEOUT = timedelta(seconds=60)
 
 
 class _Graveyard:
-    """Torn-down backends, kept alive until their in-flight ops have timed out.
+    """Torn-down backends, kept alive until no op of theirs is running.
 
     A Gloo backend must not be destroyed (nor ``abort()``-ed) while an op is
     in flight: its destructor and ``abort`` join the worker thread while
     holding the GIL, and that worker needs the GIL to run the op's completion
-    callback, so the process deadlocks. Every op times out within the
-    backend's timeout, so after that much time the backend is idle and can
-    go. Sweeping happens on later configures; no thread is kept for it.
+    callback, so the process deadlocks. A backend goes once the backend
+    itself says every op of it completed (its flag is set after the
+    callbacks returned), or once its timeout passed, by which time every op
+    has timed out. Under churn (a reconfigure a second) keeping every old
+    backend for the whole timeout would hold hundreds, with their threads and
+    sockets. Sweeping happens on configures; no thread is kept for it.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._graves: list[tuple[float, Any]] = []
+        self._graves: list[tuple[float, Any, Callable[[], bool]]] = []
 
-    def bury(self, backend: Any, timeout: timedelta) -> None:
+    def bury(self, backend: Any, timeout: timedelta, busy: Callable[[], bool]) -> None:
         if backend is None:
             return
         deadline = time.monotonic() + (timeout + WAIT_MARGIN).total_seconds()
         with self._lock:
-            self._graves.append((deadline, backend))
+            self._graves.append((deadline, backend, busy))
 
     def sweep(self) -> None:
         now = time.monotonic()
         with self._lock:
-            expired = [b for d, b in self._graves if d <= now]
-            self._graves = [(d, b) for d, b in self._graves if d > now]
+            graves, self._graves = self._graves, []
+        expired: list[Any] = []
+        kept = []
+        for grave in graves:
+            deadline, backend, busy = grave
+            if deadline <= now or not busy():
+                expired.append(backend)
+            else:
+                kept.append(grave)
+        with self._lock:
+            self._graves = kept + self._graves
         if expired:
             # Destroying an idle Gloo backend takes ~20 ms (it joins its
             # threads, without the GIL): keep it off the configure path.
@@ -197,11 +210,11 @@ class ProcessGroupWrapper(ProcessGroup):
         if gen is not None:
             gen.abort(reason)
         backend, self._pg = self._pg, None
-        self._bury(backend)
+        self._bury(backend, gen.busy if gen is not None else lambda: True)
         GRAVEYARD.sweep()
 
-    def _bury(self, backend: Any) -> None:
-        GRAVEYARD.bury(backend, self._timeout)
+    def _bury(self, backend: Any, busy: Callable[[], bool]) -> None:
+        GRAVEYARD.bury(backend, self._timeout, busy)
 
     def abort(self) -> None:
         """Fail all in-flight work now; configure to resume.

@@ -16,10 +16,12 @@ class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SUBSCRIBED: _ClassVar[EventKind]
     QUORUM_FORMED: _ClassVar[EventKind]
     MEMBER_FAILED: _ClassVar[EventKind]
+    MEMBER_LEFT: _ClassVar[EventKind]
 EVENT_KIND_UNSPECIFIED: EventKind
 SUBSCRIBED: EventKind
 QUORUM_FORMED: EventKind
 MEMBER_FAILED: EventKind
+MEMBER_LEFT: EventKind
 
 class SubscribeRequest(_message.Message):
     __slots__ = ("replica_id",)
@@ -52,3 +54,13 @@ class StatusResponse(_message.Message):
     STATUS_JSON_FIELD_NUMBER: _ClassVar[int]
     status_json: str
     def __init__(self, status_json: _Optional[str] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("replica_id",)
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    def __init__(self, replica_id: _Optional[str] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rtorchft.proto\x12\x07torchft\x1a\x1fgoogle/protobuf/timestamp.proto\"\xc5\x01\n\x0cQuorumMember\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\rstore_address\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x12\n\nworld_size\x18\x05 \x01(\x04\x12\x13\n\x0bshrink_only\x18\x06 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\t\x12\x17\n\x0f\x63ommit_failures\x18\x08 \x01(\x03\x12\x1b\n\x13reconfigure_handles\x18\t \x03(\t\"u\n\x06Quorum\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12+\n\x0cparticipants\x18\x02 \x03(\x0b\x32\x15.torchft.QuorumMember\x12+\n\x07\x63reated\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"C\n\x17LighthouseQuorumRequest\x12(\n\trequester\x18\x01 \x01(\x0b\x32\x15.torchft.QuorumMember\";\n\x18LighthouseQuorumResponse\x12\x1f\n\x06quorum\x18\x01 \x01(\x0b\x32\x0f.torchft.Quorum\"0\n\x1aLighthouseHeartbeatRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"\x1d\n\x1bLighthouseHeartbeatResponse\"\xc7\x01\n\x14ManagerQuorumRequest\x12\x12\n\ngroup_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x1b\n\x13\x63heckpoint_metadata\x18\x03 \x01(\t\x12\x13\n\x0bshrink_only\x18\x04 \x01(\x08\x12\x11\n\tinit_sync\x18\x05 \x01(\x08\x12\x17\n\x0f\x63ommit_failures\x18\x06 \x01(\x03\x12\x1a\n\x12reconfigure_handle\x18\x07 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x64 \x01(\t\"\xe5\x03\n\x15ManagerQuorumResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12#\n\x1brecover_src_manager_address\x18\x02 \x01(\t\x12%\n\x18recover_src_replica_rank\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12!\n\x19recover_dst_replica_ranks\x18\x04 \x03(\x03\x12\x15\n\rstore_address\x18\x05 \x01(\t\x12\x10\n\x08max_step\x18\x06 \x01(\x03\x12\x1d\n\x10max_replica_rank\x18\x07 \x01(\x03H\x01\x88\x01\x01\x12\x16\n\x0emax_world_size\x18\x08 \x01(\x03\x12\x14\n\x0creplica_rank\x18\t \x01(\x03\x12\x1a\n\x12replica_world_size\x18\n \x01(\x03\x12\x0c\n\x04heal\x18\x0b \x01(\x08\x12\x17\n\x0f\x63ommit_failures\x18\x0c \x01(\x03\x12\x13\n\x0breplica_ids\x18\r \x03(\t\x12\x1b\n\x13reconfigure_handles\x18\x0e \x03(\t\x12\x12\n\ndivergence\x18\x64 \x01(\t\x12\x19\n\x11quorum_created_ns\x18\x65 \x01(\x03\x42\x1b\n\x19_recover_src_replica_rankB\x13\n\x11_max_replica_rank\")\n\x19\x43heckpointMetadataRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x03\"9\n\x1a\x43heckpointMetadataResponse\x12\x1b\n\x13\x63heckpoint_metadata\x18\x01 \x01(\t\"N\n\x13ShouldCommitRequest\x12\x15\n\rshould_commit\x18\x01 \x01(\x08\x12\x12\n\ngroup_rank\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\"-\n\x14ShouldCommitResponse\x12\x15\n\rshould_commit\x18\x01 \x01(\x08\"\x1a\n\x0bKillRequest\x12\x0b\n\x03msg\x18\x01 \x01(\t\"\x0e\n\x0cKillResponse2\xba\x01\n\x11LighthouseService\x12M\n\x06Quorum\x12 .torchft.LighthouseQuorumRequest\x1a!.torchft.LighthouseQuorumResponse\x12V\n\tHeartbeat\x12#.torchft.LighthouseHeartbeatRequest\x1a$.torchft.LighthouseHeartbeatResponse2\xba\x02\n\x0eManagerService\x12G\n\x06Quorum\x12\x1d.torchft.ManagerQuorumRequest\x1a\x1e.torchft.ManagerQuorumResponse\x12]\n\x12\x43heckpointMetadata\x12\".torchft.CheckpointMetadataRequest\x1a#.torchft.CheckpointMetadataResponse\x12K\n\x0cShouldCommit\x12\x1c.torchft.ShouldCommitRequest\x1a\x1d.torchft.ShouldCommitResponse\x12\x33\n\x04Kill\x12\x14.torchft.KillRequest\x1a\x15.torchft.KillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rtorchft.proto\x12\x07torchft\x1a\x1fgoogle/protobuf/timestamp.proto\"\xc5\x01\n\x0cQuorumMember\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\rstore_address\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x12\n\nworld_size\x18\x05 \x01(\x04\x12\x13\n\x0bshrink_only\x18\x06 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\t\x12\x17\n\x0f\x63ommit_failures\x18\x08 \x01(\x03\x12\x1b\n\x13reconfigure_handles\x18\t \x03(\t\"u\n\x06Quorum\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12+\n\x0cparticipants\x18\x02 \x03(\x0b\x32\x15.torchft.QuorumMember\x12+\n\x07\x63reated\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"C\n\x17LighthouseQuorumRequest\x12(\n\trequester\x18\x01 \x01(\x0b\x32\x15.torchft.QuorumMember\";\n\x18LighthouseQuorumResponse\x12\x1f\n\x06quorum\x18\x01 \x01(\x0b\x32\x0f.torchft.Quorum\"0\n\x1aLighthouseHeartbeatRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"\x1d\n\x1bLighthouseHeartbeatResponse\"\xc7\x01\n\x14ManagerQuorumRequest\x12\x12\n\ngroup_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x1b\n\x13\x63heckpoint_metadata\x18\x03 \x01(\t\x12\x13\n\x0bshrink_only\x18\x04 \x01(\x08\x12\x11\n\tinit_sync\x18\x05 \x01(\x08\x12\x17\n\x0f\x63ommit_failures\x18\x06 \x01(\x03\x12\x1a\n\x12reconfigure_handle\x18\x07 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x64 \x01(\t\"\xfa\x03\n\x15ManagerQuorumResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12#\n\x1brecover_src_manager_address\x18\x02 \x01(\t\x12%\n\x18recover_src_replica_rank\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12!\n\x19recover_dst_replica_ranks\x18\x04 \x03(\x03\x12\x15\n\rstore_address\x18\x05 \x01(\t\x12\x10\n\x08max_step\x18\x06 \x01(\x03\x12\x1d\n\x10max_replica_rank\x18\x07 \x01(\x03H\x01\x88\x01\x01\x12\x16\n\x0emax_world_size\x18\x08 \x01(\x03\x12\x14\n\x0creplica_rank\x18\t \x01(\x03\x12\x1a\n\x12replica_world_size\x18\n \x01(\x03\x12\x0c\n\x04heal\x18\x0b \x01(\x08\x12\x17\n\x0f\x63ommit_failures\x18\x0c \x01(\x03\x12\x13\n\x0breplica_ids\x18\r \x03(\t\x12\x1b\n\x13reconfigure_handles\x18\x0e \x03(\t\x12\x12\n\ndivergence\x18\x64 \x01(\t\x12\x19\n\x11quorum_created_ns\x18\x65 \x01(\x03\x12\x13\n\x0bgroup_heals\x18\x66 \x01(\x08\x42\x1b\n\x19_recover_src_replica_rankB\x13\n\x11_max_replica_rank\")\n\x19\x43heckpointMetadataRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x03\"9\n\x1a\x43heckpointMetadataResponse\x12\x1b\n\x13\x63heckpoint_metadata\x18\x01 \x01(\t\"N\n\x13ShouldCommitRequest\x12\x15\n\rshould_commit\x18\x01 \x01(\x08\x12\x12\n\ngroup_rank\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\"-\n\x14ShouldCommitResponse\x12\x15\n\rshould_commit\x18\x01 \x01(\x08\"\x1a\n\x0bKillRequest\x12\x0b\n\x03msg\x18\x01 \x01(\t\"\x0e\n\x0cKillResponse2\xba\x01\n\x11LighthouseService\x12M\n\x06Quorum\x12 .torchft.LighthouseQuorumRequest\x1a!.torchft.LighthouseQuorumResponse\x12V\n\tHeartbeat\x12#.torchft.LighthouseHeartbeatRequest\x1a$.torchft.LighthouseHeartbeatResponse2\xba\x02\n\x0eManagerService\x12G\n\x06Quorum\x12\x1d.torchft.ManagerQuorumRequest\x1a\x1e.torchft.ManagerQuorumResponse\x12]\n\x12\x43heckpointMetadata\x12\".torchft.CheckpointMetadataRequest\x1a#.torchft.CheckpointMetadataResponse\x12K\n\x0cShouldCommit\x12\x1c.torchft.ShouldCommitRequest\x1a\x1d.torchft.ShouldCommitResponse\x12\x33\n\x04Kill\x12\x14.torchft.KillRequest\x1a\x15.torchft.KillResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,21 +47,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MANAGERQUORUMREQUEST']._serialized_start=590
   _globals['_MANAGERQUORUMREQUEST']._serialized_end=789
   _globals['_MANAGERQUORUMRESPONSE']._serialized_start=792
-  _globals['_MANAGERQUORUMRESPONSE']._serialized_end=1277
-  _globals['_CHECKPOINTMETADATAREQUEST']._serialized_start=1279
-  _globals['_CHECKPOINTMETADATAREQUEST']._serialized_end=1320
-  _globals['_CHECKPOINTMETADATARESPONSE']._serialized_start=1322
-  _globals['_CHECKPOINTMETADATARESPONSE']._serialized_end=1379
-  _globals['_SHOULDCOMMITREQUEST']._serialized_start=1381
-  _globals['_SHOULDCOMMITREQUEST']._serialized_end=1459
-  _globals['_SHOULDCOMMITRESPONSE']._serialized_start=1461
-  _globals['_SHOULDCOMMITRESPONSE']._serialized_end=1506
-  _globals['_KILLREQUEST']._serialized_start=1508
-  _globals['_KILLREQUEST']._serialized_end=1534
-  _globals['_KILLRESPONSE']._serialized_start=1536
-  _globals['_KILLRESPONSE']._serialized_end=1550
-  _globals['_LIGHTHOUSESERVICE']._serialized_start=1553
-  _globals['_LIGHTHOUSESERVICE']._serialized_end=1739
-  _globals['_MANAGERSERVICE']._serialized_start=1742
-  _globals['_MANAGERSERVICE']._serialized_end=2056
+  _globals['_MANAGERQUORUMRESPONSE']._serialized_end=1298
+  _globals['_CHECKPOINTMETADATAREQUEST']._serialized_start=1300
+  _globals['_CHECKPOINTMETADATAREQUEST']._serialized_end=1341
+  _globals['_CHECKPOINTMETADATARESPONSE']._serialized_start=1343
+  _globals['_CHECKPOINTMETADATARESPONSE']._serialized_end=1400
+  _globals['_SHOULDCOMMITREQUEST']._serialized_start=1402
+  _globals['_SHOULDCOMMITREQUEST']._serialized_end=1480
+  _globals['_SHOULDCOMMITRESPONSE']._serialized_start=1482
+  _globals['_SHOULDCOMMITRESPONSE']._serialized_end=1527
+  _globals['_KILLREQUEST']._serialized_start=1529
+  _globals['_KILLREQUEST']._serialized_end=1555
+  _globals['_KILLRESPONSE']._serialized_start=1557
+  _globals['_KILLRESPONSE']._serialized_end=1571
+  _globals['_LIGHTHOUSESERVICE']._serialized_start=1574
+  _globals['_LIGHTHOUSESERVICE']._serialized_end=1760
+  _globals['_MANAGERSERVICE']._serialized_start=1763
+  _globals['_MANAGERSERVICE']._serialized_end=2077
 # @@protoc_insertion_point(module_scope)

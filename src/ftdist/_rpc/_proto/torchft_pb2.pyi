@@ -84,7 +84,7 @@ class ManagerQuorumRequest(_message.Message):
     def __init__(self, group_rank: _Optional[int] = ..., step: _Optional[int] = ..., checkpoint_metadata: _Optional[str] = ..., shrink_only: _Optional[bool] = ..., init_sync: _Optional[bool] = ..., commit_failures: _Optional[int] = ..., reconfigure_handle: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class ManagerQuorumResponse(_message.Message):
-    __slots__ = ("quorum_id", "recover_src_manager_address", "recover_src_replica_rank", "recover_dst_replica_ranks", "store_address", "max_step", "max_replica_rank", "max_world_size", "replica_rank", "replica_world_size", "heal", "commit_failures", "replica_ids", "reconfigure_handles", "divergence", "quorum_created_ns")
+    __slots__ = ("quorum_id", "recover_src_manager_address", "recover_src_replica_rank", "recover_dst_replica_ranks", "store_address", "max_step", "max_replica_rank", "max_world_size", "replica_rank", "replica_world_size", "heal", "commit_failures", "replica_ids", "reconfigure_handles", "divergence", "quorum_created_ns", "group_heals")
     QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
     RECOVER_SRC_MANAGER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RECOVER_SRC_REPLICA_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,7 @@ class ManagerQuorumResponse(_message.Message):
     RECONFIGURE_HANDLES_FIELD_NUMBER: _ClassVar[int]
     DIVERGENCE_FIELD_NUMBER: _ClassVar[int]
     QUORUM_CREATED_NS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_HEALS_FIELD_NUMBER: _ClassVar[int]
     quorum_id: int
     recover_src_manager_address: str
     recover_src_replica_rank: int
@@ -117,7 +118,8 @@ class ManagerQuorumResponse(_message.Message):
     reconfigure_handles: _containers.RepeatedScalarFieldContainer[str]
     divergence: str
     quorum_created_ns: int
-    def __init__(self, quorum_id: _Optional[int] = ..., recover_src_manager_address: _Optional[str] = ..., recover_src_replica_rank: _Optional[int] = ..., recover_dst_replica_ranks: _Optional[_Iterable[int]] = ..., store_address: _Optional[str] = ..., max_step: _Optional[int] = ..., max_replica_rank: _Optional[int] = ..., max_world_size: _Optional[int] = ..., replica_rank: _Optional[int] = ..., replica_world_size: _Optional[int] = ..., heal: _Optional[bool] = ..., commit_failures: _Optional[int] = ..., replica_ids: _Optional[_Iterable[str]] = ..., reconfigure_handles: _Optional[_Iterable[str]] = ..., divergence: _Optional[str] = ..., quorum_created_ns: _Optional[int] = ...) -> None: ...
+    group_heals: bool
+    def __init__(self, quorum_id: _Optional[int] = ..., recover_src_manager_address: _Optional[str] = ..., recover_src_replica_rank: _Optional[int] = ..., recover_dst_replica_ranks: _Optional[_Iterable[int]] = ..., store_address: _Optional[str] = ..., max_step: _Optional[int] = ..., max_replica_rank: _Optional[int] = ..., max_world_size: _Optional[int] = ..., replica_rank: _Optional[int] = ..., replica_world_size: _Optional[int] = ..., heal: _Optional[bool] = ..., commit_failures: _Optional[int] = ..., replica_ids: _Optional[_Iterable[str]] = ..., reconfigure_handles: _Optional[_Iterable[str]] = ..., divergence: _Optional[str] = ..., quorum_created_ns: _Optional[int] = ..., group_heals: _Optional[bool] = ...) -> None: ...
 
 class CheckpointMetadataRequest(_message.Message):
     __slots__ = ("rank",)

@@ -1,0 +1,207 @@
+"""
+One step's quorum round
+=======================
+
+What the Manager does on its quorum thread at the start of each step: ask
+the replica group's ManagerServer for the quorum, work out this replica's
+part in the step, rebuild the process group when the membership changed,
+serve this rank's state to peers that are behind, and fetch a peer's state
+when this replica is behind.
+
+The round only *produces* a :class:`RoundOutcome`; it changes nothing the
+training thread reads. The Manager applies the outcome on the training
+thread, so a received state and its step can never be seen apart.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from ftdist.checkpointing import CheckpointTransport
+from ftdist.manager.client import ManagerClientLike, ManagerQuorumResult
+from ftdist.manager.heal import Healer, HealTimeline
+from ftdist.manager.membership import GroupMembership
+from ftdist.manager.rule import participation
+from ftdist.manager.state import ConsistencyParts
+
+__all__ = ["QuorumRound", "RoundOutcome", "Staged"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Staged:
+    """A state received while healing, to be applied together with its step."""
+
+    state: dict[str, Any]
+    step: int
+    timeline: HealTimeline
+
+
+@dataclass
+class RoundOutcome:
+    """What one round found out and did.
+
+    Attributes:
+        quorum: the quorum, as this group rank sees it.
+        participating_rank: this replica's rank among the step's
+            participants, or None if it does not take part.
+        participating_world_size: how many replica groups take part.
+        configured: the process group is configured for this quorum.
+        reconfigured: it was rebuilt in this round.
+        heal: the quorum told this rank to heal (the transfer may still
+            have failed: then ``staged`` is None and ``errors`` says why).
+        staged: the received state, not yet applied.
+        served: timelines of the states served to peers.
+        errors: faults of the round; the step must not commit.
+        heal_settled: the training thread applied (or dropped) the heal.
+    """
+
+    quorum: ManagerQuorumResult
+    participating_rank: int | None = None
+    participating_world_size: int = 0
+    configured: bool = False
+    reconfigured: bool = False
+    heal: bool = False
+    staged: Staged | None = None
+    served: list[HealTimeline] = field(default_factory=list)
+    errors: list[Exception] = field(default_factory=list)
+    heal_settled: bool = False
+
+
+class QuorumRound:
+    """Runs the quorum round of each step for one rank.
+
+    Args:
+        client: the replica group's manager client.
+        group_rank: this rank inside its replica group.
+        transport: the checkpoint transport (for its metadata).
+        membership: keeps the process group configured for the quorum.
+        healer: serves and receives states.
+        consistency: the parts fingerprinted for the cross-replica check.
+        init_sync: heal every replica from one primary at step 0.
+        async_quorum: the round overlaps the step (a healing replica
+            contributes zeros instead of taking part).
+        fixed_with_spares: at most ``min_replica_size`` replicas take part.
+        min_replica_size: see the Manager.
+        state_for_peers: the state to serve (user state and counters).
+        has_state: whether any user state is registered.
+        log_prefix: names this rank in log lines.
+    """
+
+    def __init__(
+        self,
+        *,
+        client: ManagerClientLike,
+        group_rank: int,
+        transport: CheckpointTransport[Any],
+        membership: GroupMembership,
+        healer: Healer,
+        consistency: ConsistencyParts,
+        init_sync: bool,
+        async_quorum: bool,
+        fixed_with_spares: bool,
+        min_replica_size: int,
+        state_for_peers: Callable[[], dict[str, Any]],
+        has_state: Callable[[], bool],
+        log_prefix: Callable[[], str] = str,
+    ) -> None:
+        self._client = client
+        self._group_rank = group_rank
+        self._transport = transport
+        self._membership = membership
+        self._healer = healer
+        self._consistency = consistency
+        self.init_sync = init_sync
+        self._async = async_quorum
+        self._spares = fixed_with_spares
+        self._min_replica_size = min_replica_size
+        self._state_for_peers = state_for_peers
+        self._has_state = has_state
+        self._prefix = log_prefix
+
+    def run(
+        self,
+        *,
+        step: int,
+        commit_failures: int,
+        send_fingerprint: bool,
+        allow_heal: bool,
+        shrink_only: bool,
+        timeout: timedelta,
+    ) -> RoundOutcome:
+        """One round (on the quorum thread).
+
+        Raises:
+            TimeoutError: no quorum within ``timeout``.
+            CoordinationError: the manager server or the lighthouse refused.
+            ValueError: healing is needed but no state is registered.
+        """
+        start = time.perf_counter()
+        fingerprint = None
+        if send_fingerprint and self._consistency:
+            fingerprint = self._consistency.fingerprint()
+        quorum = self._client.quorum(
+            group_rank=self._group_rank,
+            step=step,
+            checkpoint_metadata=self._transport.metadata(),
+            shrink_only=shrink_only,
+            init_sync=self.init_sync,
+            commit_failures=commit_failures,
+            timeout=timeout,
+            fingerprint=fingerprint,
+        )
+        quorum_s = time.perf_counter() - start
+        out = RoundOutcome(quorum)
+        if getattr(quorum, "divergence", ""):
+            logger.warning("%s %s", self._prefix(), quorum.divergence)
+        out.participating_rank, out.participating_world_size = participation(
+            quorum,
+            async_quorum=self._async,
+            allow_heal=allow_heal,
+            fixed_with_spares=self._spares,
+            min_replica_size=self._min_replica_size,
+        )
+        try:
+            reconfigure_s = self._membership.follow(quorum)
+        except Exception as exc:
+            out.errors.append(exc)
+            return out
+        out.configured = True
+        out.reconfigured = reconfigure_s is not None
+        if out.reconfigured:
+            logger.info(
+                "%s reconfigured for quorum %d: %d replica groups %s",
+                self._prefix(),
+                quorum.quorum_id,
+                quorum.replica_world_size,
+                quorum.replica_ids,
+            )
+        if not allow_heal:
+            return out
+        if (quorum.heal or quorum.recover_dst_replica_ranks) and not self._has_state():
+            raise ValueError(
+                "healing is needed but no state_dict function is registered: pass "
+                "load_state_dict/state_dict to Manager or call register_state_dict_fn()"
+            )
+        out.heal = quorum.heal
+        try:
+            if quorum.recover_dst_replica_ranks:
+                out.served.append(
+                    self._healer.serve(
+                        quorum, self._state_for_peers(), quorum_s, reconfigure_s or 0.0
+                    )
+                )
+            if quorum.heal:
+                state, timeline = self._healer.receive(
+                    quorum, self._group_rank, quorum_s, reconfigure_s or 0.0
+                )
+                out.staged = Staged(state, quorum.max_step, timeline)
+        except Exception as exc:
+            out.errors.append(exc)
+        return out

@@ -1,0 +1,122 @@
+"""No leaks under churn: a thousand reconfigures with flapping membership leave
+file descriptors, threads, child processes and memory where they were."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+
+from ftdist.launch.ranks import RankContext, run_ranks
+
+pytestmark = pytest.mark.slow
+
+ROUNDS = 1000
+WARM = 200  # the baseline is taken once caches and pools have filled
+
+
+def _resources() -> dict[str, int]:
+    status = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            status[key] = value.split()[0] if value.split() else "0"
+    children = 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                        children += 1
+            except OSError:
+                pass
+    return {
+        "fds": len(os.listdir("/proc/self/fd")),
+        # Native threads: Gloo's are invisible to the threading module.
+        "threads": int(status["Threads"]),
+        "rss_mb": int(status["VmRSS"]) // 1024,
+        "children": children,
+    }
+
+
+def _flap(ctx: RankContext, kind: str, rounds: int) -> dict[str, dict[str, int]]:
+    from ftdist.process_group import ProcessGroupBabyGloo, ProcessGroupGloo
+
+    timeout = timedelta(seconds=10)
+    pg = ProcessGroupGloo(timeout=timeout) if kind == "gloo" else ProcessGroupBabyGloo(timeout)
+    samples = {}
+    t = torch.ones(16)
+    try:
+        for i in range(rounds):
+            if i % 2:
+                # Both ranks: a group of two.
+                pg.configure(ctx.addr(f"pair/{i}"), ctx.rank, 2)
+                pg.allreduce([t]).wait()
+            elif ctx.rank == 0:
+                # Rank 0 alone: the other member left.
+                pg.configure(ctx.addr(f"solo/{i}"), 0, 1)
+                pg.allreduce([t]).wait()
+            if i == min(WARM, rounds // 5):
+                samples["warm"] = _resources()
+        samples["end"] = _resources()
+    finally:
+        pg.shutdown()
+    return samples
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("kind", "rounds"), [("gloo", ROUNDS), ("baby-gloo", 200)])
+def test_flapping_membership_leaks_nothing(kind: str, rounds: int) -> None:
+    for rank, samples in enumerate(run_ranks(_flap, 2, kind, rounds, timeout=280)):
+        warm, end = samples["warm"], samples["end"]
+        growth = {k: end[k] - warm[k] for k in warm}
+        assert growth["fds"] <= 8, (rank, warm, end)
+        assert growth["threads"] <= 8, (rank, warm, end)
+        assert growth["children"] <= 1, (rank, warm, end)
+        assert growth["rss_mb"] <= 64, (rank, warm, end)
+
+
+def _manager_churn(ctx: RankContext, rounds: int) -> dict[str, dict[str, int]]:
+    from ftdist.manager import Manager
+    from ftdist.process_group import ProcessGroupGloo
+    from ftdist.testing import FakeManagerClient, quorum_result
+
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=10))
+    w = torch.zeros(4)
+    client = FakeManagerClient()
+    manager = Manager(
+        pg,
+        lambda sd: None,
+        lambda: {"w": w},
+        min_replica_size=1,
+        client=client,
+        timeout=timedelta(seconds=10),
+    )
+    store = f"127.0.0.1:{ctx.store_port}"
+    samples = {}
+    try:
+        for i in range(rounds):
+            # A new quorum every step: the process group is rebuilt each time.
+            client.push_quorum(quorum_result(quorum_id=i + 1, max_step=i, store_address=store))
+            manager.start_quorum()
+            manager.allreduce(torch.ones(8)).wait()
+            assert manager.should_commit()
+            if i == min(WARM, rounds // 5):
+                samples["warm"] = _resources()
+        samples["end"] = _resources()
+    finally:
+        manager.shutdown()
+        pg.shutdown()
+    return samples
+
+
+@pytest.mark.timeout(300)
+def test_a_manager_reconfigured_every_step_leaks_nothing() -> None:
+    (samples,) = run_ranks(_manager_churn, 1, ROUNDS, timeout=280)
+    warm, end = samples["warm"], samples["end"]
+    growth = {k: end[k] - warm[k] for k in warm}
+    assert growth["fds"] <= 8, (warm, end)
+    assert growth["threads"] <= 8, (warm, end)
+    assert growth["rss_mb"] <= 64, (warm, end)
