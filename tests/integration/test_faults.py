@@ -136,12 +136,13 @@ def _baby_child_dies(ctx: RankContext, how: str) -> tuple[str, bool, float]:
     return kind, child_gone, value
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize(
     ("how", "expected"), [("kill", "BackendProcessError"), ("stop", "CollectiveTimeoutError")]
 )
 def test_baby_child_crash_or_hang_is_an_op_error(how: str, expected: str) -> None:
-    kind, child_gone, value = run_ranks(_baby_child_dies, 2, how, timeout=25)[0]
+    # Generous limits: a loaded machine starts the replacement child slowly.
+    kind, child_gone, value = run_ranks(_baby_child_dies, 2, how, timeout=80)[0]
     assert kind == expected
     assert child_gone, "the hung or crashed child must be killed"
     assert value == 5.0
