@@ -182,3 +182,24 @@ def test_kill_exits_the_server_process(lighthouse: LighthouseServer) -> None:
             c.kill("killed by the test")
         outcome = ranks.join(timeout=20)[0]
     assert outcome.exitcode == 1
+
+
+def test_the_in_process_client_answers_like_the_network_one(server: ManagerServer) -> None:
+    # Group rank 0 hosts the server and calls it without the network: same
+    # rounds (mixed with a remote rank), same answers, same errors.
+    local = server.local_client()
+    with ManagerClient(server.address(), T) as remote:
+        r0, r1 = _in_threads(
+            lambda: local.quorum(0, 2, "meta0", False, True, 0, T),
+            lambda: remote.quorum(1, 2, "meta1", False, True, 0, T),
+        )
+        assert (r0.replica_ids, r0.max_step) == (r1.replica_ids, r1.max_step) == (["rep:uuid"], 2)
+        assert local.checkpoint_metadata(1, T) == "meta1"
+        assert _in_threads(
+            lambda: local.should_commit(0, 2, True, T), lambda: remote.should_commit(1, 2, True, T)
+        ) == [True, True]
+    with pytest.raises(CoordinationError, match="group_rank 7 is outside"):
+        local.quorum(7, 0, "", False, True, 0, T)
+    with pytest.raises(CoordinationTimeoutError, match="commit vote incomplete"):
+        local.should_commit(0, 3, True, timedelta(milliseconds=200))
+    local.close()

@@ -131,7 +131,12 @@ def bootstrap(
         manager_addr = store.get(MANAGER_ADDR_KEY).decode()
         full_id = store.get(REPLICA_ID_KEY).decode()
         lighthouse = config.lighthouse_addr or store.get("lighthouse_addr").decode() or None
-        real = connect_client(manager_addr, config.connect_timeout)
+        # Rank 0 hosts the server: its calls need no network hop.
+        real = (
+            server.local_client()
+            if server is not None and hasattr(server, "local_client")
+            else connect_client(manager_addr, config.connect_timeout)
+        )
     except Exception:
         if server is not None:
             server.shutdown()

@@ -48,6 +48,7 @@ from ftdist._rpc._proto import torchft_pb2
 from ftdist._rpc.auth import TokenInterceptor, server_credentials
 from ftdist.lighthouse.client import LighthouseClient
 from ftdist.lighthouse.types import Quorum
+from ftdist.manager.client import ManagerClient
 from ftdist.manager.rule import compute_quorum_results, find_divergence, heal_requests
 
 logger = logging.getLogger(__name__)
@@ -171,6 +172,10 @@ class ManagerServer:
             target=self._heartbeat_loop, name="ftdist-mgr-heartbeat", daemon=True
         )
         self._heartbeat.start()
+
+    def local_client(self) -> LocalManagerClient:
+        """A client for calls from this process (group rank 0): no network hop."""
+        return LocalManagerClient(self)
 
     def address(self) -> str:
         """``http://hostname:port``."""
@@ -422,3 +427,75 @@ def _fingerprint_problem(fingerprint: str) -> str:
     except (ValueError, RecursionError):
         return "fingerprint is not JSON"
     return "" if isinstance(parsed, dict) else "fingerprint is not a JSON object"
+
+
+class _LocalCallError(grpc.RpcError, grpc.Call):
+    """A status a handler aborted with, for a call that never left the process."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def initial_metadata(self) -> tuple[()]:
+        return ()
+
+    def trailing_metadata(self) -> tuple[()]:
+        return ()
+
+    def is_active(self) -> bool:
+        return False
+
+    def time_remaining(self) -> float:
+        return 0.0
+
+    def cancel(self) -> bool:
+        return False
+
+    def add_callback(self, callback: Any) -> bool:
+        return False
+
+
+class _LocalContext:
+    """The part of a gRPC servicer context the handlers use, for a local call."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self._deadline = time.monotonic() + timeout_s
+
+    def time_remaining(self) -> float:
+        return max(0.0, self._deadline - time.monotonic())
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _LocalCallError(code, details)
+
+
+class LocalManagerClient(ManagerClient):
+    """A client of a ManagerServer in this very process, without the network.
+
+    Group rank 0 hosts its replica group's server: its own calls go
+    straight to the handlers (no serialization, no loopback round trip, no
+    thread hop through gRPC), with the same validation, answers and errors.
+    """
+
+    def __init__(self, server: ManagerServer) -> None:
+        self.addr = server.address()
+        self._metadata = None
+
+        def local(handler: Any) -> Any:
+            def call(request: Any, timeout: float, metadata: Any = None) -> Any:
+                return handler(request, _LocalContext(timeout))
+
+            return call
+
+        self._quorum_rpc = local(server._quorum)
+        self._metadata_rpc = local(server._checkpoint_metadata)
+        self._commit_rpc = local(server._should_commit)
+        self._kill_rpc = local(server._kill)
+
+    def close(self) -> None:
+        """Nothing to release."""
