@@ -56,7 +56,7 @@ def _die_while_serving(ctx: RankContext, manager: Any) -> None:
     import threading
 
     def watch() -> None:
-        lock = manager._checkpoint_transport._lock
+        lock = manager._checkpoint_transport._checkpoint_lock
         while True:
             if lock._readers > 0:
                 if int(ctx.store().add("served_death", 1)) == 1:

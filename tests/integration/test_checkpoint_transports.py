@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
+import io
+import logging
+import re
 import socket
 import threading
+import time
+import urllib.error
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
 
+from ftdist import _auth
 from ftdist.checkpointing import HTTPTransport, PGTransport, _wire
+from ftdist.checkpointing.http_transport import CheckpointHTTPError, CheckpointTimeoutError
 from ftdist.errors import CheckpointError
-from ftdist.launch.ranks import RankContext, run_ranks
+from ftdist.launch.ranks import RankContext, Ranks, run_ranks
 
 TIMEOUT = timedelta(seconds=10)
+# torchft's transport tests accept any of these in a timeout's message.
+TIMEOUT_REGEX = r"(Timed out|timed out|timeout|time out)"
 
 
 def _state(seed: int = 0) -> dict:
@@ -30,7 +40,7 @@ def _state(seed: int = 0) -> dict:
         },
         "optim": {
             "state": {0: {"step": torch.tensor(7), "exp_avg": torch.randn(10, generator=g)}},
-            "param_groups": [{"lr": 0.1, "params": [0]}],
+            "param_groups": [{"lr": 0.1, "params": [0], "betas": (0.9, 0.99)}],
         },
         "torchft": {"step": 7, "batches_committed": 14},
         "note": "non-tensor leaves travel too",
@@ -39,18 +49,21 @@ def _state(seed: int = 0) -> dict:
 
 def _assert_same(a: object, b: object) -> None:
     if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-        assert torch.equal(a, b)
+        assert type(b) is type(a) and a.dtype == b.dtype and a.shape == b.shape
+        if type(a).__name__ == "DTensor":
+            assert a._spec == b._spec  # type: ignore[attr-defined]
+            a, b = a._local_tensor, b._local_tensor  # type: ignore[attr-defined]
+        assert torch.equal(a, b)  # type: ignore[arg-type]
     elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys()
+        assert isinstance(b, dict) and list(a) == list(b)
         for k in a:
             _assert_same(a[k], b[k])
     elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)  # type: ignore[arg-type]
+        assert type(a) is type(b) and len(a) == len(b)  # type: ignore[arg-type]
         for x, y in zip(a, b, strict=True):  # type: ignore[call-overload]
             _assert_same(x, y)
     else:
-        assert a == b
+        assert type(a) is type(b) and a == b
 
 
 @pytest.fixture
@@ -69,6 +82,7 @@ def test_http_round_trip_is_exact(transports: tuple[HTTPTransport, HTTPTransport
     src.send_checkpoint([1], step=7, state_dict=state, timeout=TIMEOUT)
     got = dst.recv_checkpoint(0, src.metadata(), step=7, timeout=TIMEOUT)
     _assert_same(state, got)
+    assert got["model"]["w_t"].stride() == (1, 33)  # a transposed tensor arrives transposed
     assert dst.last_transfer is not None and dst.last_transfer.nbytes > 64 * 33 * 4
     src.disallow_checkpoint()
 
@@ -86,22 +100,94 @@ def test_http_chunks_in_parallel() -> None:
         dst.shutdown()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_chunks", [0, 3])
+def test_torchft_checkpoint_server(num_chunks: int) -> None:
+    """torchft's test_checkpoint_server: its constructor, its error types and messages."""
+    server: HTTPTransport[dict[str, Any]] = HTTPTransport(
+        timeout=timedelta(seconds=10), num_chunks=num_chunks
+    )
+    try:
+        expected = {"state": "dict", "tensor": torch.rand(5, 2), "cuda": torch.rand(2, 3)}
+        server.send_checkpoint(dst_ranks=[], step=1234, state_dict=expected, timeout=TIMEOUT)
+        assert server.address() == server.metadata()
+        out = server.recv_checkpoint(
+            src_rank=0, metadata=server.metadata(), step=1234, timeout=TIMEOUT
+        )
+        _assert_same(expected, out)
+        with pytest.raises(urllib.error.URLError, match=r"urlopen error") as timed_out:
+            server.recv_checkpoint(0, server.metadata(), 1234, timeout=timedelta(seconds=0.0))
+        assert isinstance(timed_out.value, CheckpointError)
+        server.send_checkpoint(dst_ranks=[], step=2345, state_dict=expected, timeout=TIMEOUT)
+        with pytest.raises(
+            urllib.error.HTTPError, match=r"Error 400.*serving 2345 but got step=1234"
+        ) as refused:
+            server.recv_checkpoint(0, server.metadata(), 1234, timeout=TIMEOUT)
+        assert isinstance(refused.value, CheckpointError) and refused.value.code == 400
+    finally:
+        server.shutdown()
+
+
+def test_torchft_checkpoint_server_locking() -> None:
+    server: HTTPTransport[Any] = HTTPTransport(timeout=timedelta(seconds=10), num_chunks=0)
+    try:
+        assert server._checkpoint_lock.w_locked() and server._disallowed and server._step == -1
+        server.allow_checkpoint(1)
+        assert not server._checkpoint_lock.w_locked() and not server._disallowed
+        assert server._step == 1
+        server.allow_checkpoint(2)
+        assert server._step == 2
+        server.disallow_checkpoint()
+        server.disallow_checkpoint()
+        assert server._checkpoint_lock.w_locked() and server._disallowed and server._step == 2
+    finally:
+        server.shutdown()
+
+
+def test_torchft_http_transport_bench(capsys: pytest.CaptureFixture[str]) -> None:
+    from ftdist.checkpointing.http_transport_bench import main
+
+    main(["--chunk-size=10", "--num-chunks=0", "--total-size=100", "--device=cpu"])
+    assert "fetched 10 tensors" in capsys.readouterr().out
+
+
 @pytest.mark.timeout(30)
 def test_http_refuses_wrong_step_and_unpublished_state(
     transports: tuple[HTTPTransport, HTTPTransport],
 ) -> None:
     src, dst = transports
     src.send_checkpoint([1], 5, _state(), TIMEOUT)
-    with pytest.raises(CheckpointError, match="serving the checkpoint of step 5, not step 6"):
-        dst.recv_checkpoint(0, src.metadata(), 6, TIMEOUT)
+    with pytest.raises(CheckpointHTTPError, match="serving 5 but got step=4"):
+        dst.recv_checkpoint(0, src.metadata(), 4, TIMEOUT)
     src.disallow_checkpoint()
     quick = timedelta(seconds=0.5)
     src2 = HTTPTransport(quick, hostname="127.0.0.1")
     try:
-        with pytest.raises(CheckpointError, match="503"):
+        with pytest.raises(CheckpointHTTPError, match="503"):
             dst.recv_checkpoint(0, src2.metadata(), 5, TIMEOUT)
+        with pytest.raises(CheckpointTimeoutError, match=TIMEOUT_REGEX):
+            dst.recv_checkpoint(0, src2.metadata(), 5, timedelta(milliseconds=50))
     finally:
         src2.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_http_a_newer_step_waits_for_the_source_to_publish_it(
+    transports: tuple[HTTPTransport, HTTPTransport],
+) -> None:
+    src, dst = transports
+    src.send_checkpoint([1], 5, _state(5), TIMEOUT)
+    result: dict[str, Any] = {}
+    fetch = threading.Thread(
+        target=lambda: result.update(got=dst.recv_checkpoint(0, src.metadata(), 6, TIMEOUT))
+    )
+    fetch.start()  # the peer asks for step 6 while step 5 is still served
+    while src._checkpoint_lock.readers == 0 and not src._server._server.active:
+        time.sleep(0.001)
+    src.disallow_checkpoint()
+    src.send_checkpoint([1], 6, _state(6), TIMEOUT)
+    fetch.join(timeout=20)
+    _assert_same(_state(6), result["got"])
 
 
 def _serve_raw(payload: bytes, content_length: int) -> tuple[str, threading.Thread, socket.socket]:
@@ -124,8 +210,7 @@ def _serve_raw(payload: bytes, content_length: int) -> tuple[str, threading.Thre
 
 
 def _stream(state: dict, step: int) -> bytes:
-    header, tensors = _wire.plan(state, step)[0]
-    return b"".join(bytes(b) for b in _wire.chunks(header, tensors))
+    return b"".join(bytes(b) for b in _wire.chunks(_wire.plan(state, step)[0]))
 
 
 @pytest.mark.timeout(30)
@@ -166,12 +251,206 @@ def test_disallow_waits_for_a_transfer_in_flight(
         target=lambda: result.update(got=dst.recv_checkpoint(0, src.metadata(), 1, TIMEOUT))
     )
     fetch.start()
-    while src._lock._readers == 0 and fetch.is_alive():
-        pass
+    while src._checkpoint_lock.readers == 0 and fetch.is_alive():
+        time.sleep(0.0005)
     src.disallow_checkpoint()  # returns only once the reader is done
     big["w"].zero_()  # the "optimizer step": must not reach the peer
     fetch.join()
     assert float(result["got"]["w"].abs().sum()) > 0
+
+
+def _read_until_closed(sock: socket.socket) -> bytes:
+    out = bytearray()
+    while True:
+        try:
+            piece = sock.recv(1 << 20)
+        except (ConnectionResetError, TimeoutError):
+            return bytes(out)
+        if not piece:
+            return bytes(out)
+        out += piece
+
+
+@pytest.mark.timeout(60)
+def test_a_slow_reader_cannot_hold_disallow_past_its_timeout() -> None:
+    quick = timedelta(seconds=1)
+    src = HTTPTransport(quick, hostname="127.0.0.1")
+    dst = HTTPTransport(TIMEOUT, hostname="127.0.0.1")
+    slow = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        state = {"w": torch.randn(16 << 20)}  # 64 MiB: far more than socket buffers hold
+        src.send_checkpoint([1], 1, state, quick)
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        slow.connect(("127.0.0.1", int(src.metadata().split(":")[2].split("/")[0])))
+        slow.sendall(b"GET /checkpoint/1/full HTTP/1.0\r\n\r\n")
+        first = slow.recv(4096)  # then it stops reading
+        assert first.startswith(b"HTTP/1.0 200")
+        while not src._server.streaming():
+            time.sleep(0.001)
+        errors: list[BaseException] = []
+        done = threading.Event()
+
+        def disallow() -> None:
+            try:
+                src.disallow_checkpoint()
+            except BaseException as exc:  # recorded for the assertion
+                errors.append(exc)
+            done.set()
+
+        threading.Thread(target=disallow).start()
+        assert done.wait(30), "disallow_checkpoint hung behind a reader that does not read"
+        assert errors == []
+        state["w"].zero_()  # the optimizer step
+        # The slow reader was cut off: what it gets is a truncated stream.
+        slow.settimeout(10)
+        data = first + _read_until_closed(slow)
+        head, _, body = data.partition(b"\r\n\r\n")
+        size = int(re.search(rb"Content-Length: (\d+)", head).group(1))  # type: ignore[union-attr]
+        assert len(body) < size
+        with pytest.raises(CheckpointError, match="truncated"):
+            _wire.read_leaves(_wire.StreamReader(io.BytesIO(body).readinto, "slow"), 1)
+        # The server is still up and serves the next step to a well-behaved peer.
+        src.send_checkpoint([1], 2, state, quick)
+        got = dst.recv_checkpoint(0, src.metadata(), 2, TIMEOUT)
+        assert float(got["w"].abs().sum()) == 0
+    finally:
+        slow.close()
+        src.shutdown()
+        dst.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_the_job_token_gates_checkpoint_fetches(monkeypatch: pytest.MonkeyPatch) -> None:
+    src = HTTPTransport(TIMEOUT, hostname="127.0.0.1", token="s3cret")
+    open_client = HTTPTransport(TIMEOUT, hostname="127.0.0.1")
+    wrong = HTTPTransport(TIMEOUT, hostname="127.0.0.1", token="guess")
+    monkeypatch.setenv(_auth.ENV_TOKEN, "s3cret")
+    from_env = HTTPTransport(TIMEOUT, hostname="127.0.0.1")  # the token from the environment
+    try:
+        state = _state()
+        src.send_checkpoint([1], 3, state, TIMEOUT)
+        for client in (open_client, wrong):
+            with pytest.raises(CheckpointHTTPError, match=r"401.*job token") as refused:
+                client.recv_checkpoint(0, src.metadata(), 3, TIMEOUT)
+            assert refused.value.code == 401 and _auth.ENV_TOKEN in str(refused.value)
+        _assert_same(state, from_env.recv_checkpoint(0, src.metadata(), 3, TIMEOUT))
+        # A wrong token learns nothing, not even whether the step is right.
+        with pytest.raises(CheckpointHTTPError, match="401"):
+            wrong.recv_checkpoint(0, src.metadata(), 4, TIMEOUT)
+    finally:
+        for t in (src, open_client, wrong, from_env):
+            t.shutdown()
+
+
+def test_a_server_without_token_works_and_says_so_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv(_auth.ENV_TOKEN, raising=False)
+    monkeypatch.delenv(_auth.ENV_TOKEN_FILE, raising=False)
+    monkeypatch.setattr(_auth, "_warned", threading.Event())
+    with caplog.at_level(logging.WARNING, logger="ftdist.auth"):
+        first = HTTPTransport(TIMEOUT, num_chunks=0)
+        second = HTTPTransport(TIMEOUT, num_chunks=0)
+    try:
+        warnings = [r for r in caplog.records if "without a job token" in r.getMessage()]
+        assert len(warnings) == 1
+        first.send_checkpoint([1], 1, {"x": 1}, TIMEOUT)
+        assert second.recv_checkpoint(0, first.metadata(), 1, TIMEOUT) == {"x": 1}
+    finally:
+        first.shutdown()
+        second.shutdown()
+
+
+# -- the torchft multi-recovery scenario, with DTensors, in real processes ----------------------
+
+
+def _barrier(store: Any, name: str, n: int) -> None:
+    store.add(name, 1)
+    deadline = time.monotonic() + 30
+    while int(store.add(name, 0)) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"barrier {name!r} timed out")
+        time.sleep(0.002)
+
+
+def _dtensor_state() -> dict[str, Any]:
+    from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
+
+    return {
+        "rank": torch.tensor([1, 2, 3]),
+        "str": "str",
+        "int": 1234,
+        # torchft's make_state_dict: a DTensor on DeviceMesh("cpu", 1).
+        "dtensor": distribute_tensor(torch.tensor([5, 6, 7]), DeviceMesh("cpu", 1), []),
+        "sharded": distribute_tensor(
+            torch.arange(8.0).reshape(4, 2),
+            DeviceMesh("cpu", [0], mesh_dim_names=("dp",)),
+            [Shard(1)],
+        ),
+    }
+
+
+def _multi_recovery(ctx: RankContext, kind: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from ftdist.process_group import ProcessGroupGloo
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    store = ctx.store()
+    pg = None
+    out: dict[str, Any] = {}
+    try:
+        state = _dtensor_state()
+        mine = _dtensor_state()  # a recovering replica's own state, received into in place
+        transport: Any
+        if kind == "http":
+            transport = HTTPTransport(TIMEOUT, num_chunks=0, hostname="127.0.0.1")
+            if ctx.rank == 0:
+                store.set("metadata", transport.metadata())
+            metadata = store.get("metadata").decode()
+        else:
+            pg = ProcessGroupGloo(timeout=10)
+            pg.configure(ctx.addr("pg"), ctx.rank, ctx.world_size)
+            transport = PGTransport(pg, timeout=TIMEOUT, device="cpu", state_dict=lambda: mine)
+            metadata = "<n/a>"
+        _barrier(store, "start", 3)
+        if ctx.rank == 0:
+            transport.send_checkpoint(dst_ranks=[1, 2], step=1, state_dict=state, timeout=TIMEOUT)
+        else:
+            got = transport.recv_checkpoint(0, metadata, 1, TIMEOUT)
+            _assert_same(state, got)
+            local = got["sharded"]._local_tensor
+            out["in_place"] = local.data_ptr() == mine["sharded"]._local_tensor.data_ptr()
+        _barrier(store, "one", 3)
+        transport.disallow_checkpoint()
+        if ctx.rank == 0:
+            transport.send_checkpoint(dst_ranks=[2], step=2, state_dict=state, timeout=TIMEOUT)
+        elif ctx.rank == 2:
+            _assert_same(state, transport.recv_checkpoint(0, metadata, 2, TIMEOUT))
+        _barrier(store, "two", 3)
+        transport.disallow_checkpoint()
+        if ctx.rank == 2:
+            try:
+                transport.recv_checkpoint(0, metadata, 3, timedelta(milliseconds=10))
+                out["timeout"] = "returned"
+            except Exception as exc:  # torchft only asks for a timeout message
+                out["timeout"] = f"{type(exc).__name__}: {exc}"
+        _barrier(store, "end", 3)
+        return out
+    finally:
+        transport.shutdown()
+        if pg is not None:
+            pg.shutdown()
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("kind", ["http", "pg"])
+def test_multi_recovery_with_dtensors(kind: str) -> None:
+    results = run_ranks(_multi_recovery, 3, kind, timeout=80)
+    assert re.search(TIMEOUT_REGEX, results[2]["timeout"]), results[2]["timeout"]
+    # The PG transport received the DTensor's shard into the target's own local tensor.
+    assert results[1]["in_place"] is (kind == "pg") and results[2]["in_place"] is (kind == "pg")
 
 
 def _pg_round_trip(ctx: RankContext, in_place: bool, wrong_step: bool) -> object:
@@ -205,9 +484,84 @@ def test_pg_transport_round_trip(in_place: bool) -> None:
 
 @pytest.mark.timeout(60)
 def test_pg_transport_refuses_wrong_step() -> None:
-    from ftdist.launch.ranks import Ranks
-
     with Ranks(_pg_round_trip, 2, args=(False, True)) as ranks:
         outcome = ranks.join(timeout=40, only=[1])[1]
     assert outcome.ok, outcome.error
     assert "refusing checkpoint of step 4" in str(outcome.value)
+
+
+# -- torchft's PGTransportTimeoutTest: two Gloo groups in this process -------------------------
+
+
+@pytest.fixture
+def gloo_pair() -> Iterator[list[Any]]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch.distributed as dist
+
+    from ftdist.process_group import ProcessGroupGloo
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    def init(rank: int) -> Any:
+        # Short: a stalled op's thread lives until the group's timeout.
+        pg = ProcessGroupGloo(timeout=timedelta(seconds=2))
+        pg.configure(f"127.0.0.1:{store.port}/pair", rank, 2)
+        return pg
+
+    with ThreadPoolExecutor(max_workers=2) as executor:
+        pgs = list(executor.map(init, range(2)))
+    yield pgs
+    for pg in pgs:
+        pg.shutdown()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("direction", ["send", "recv"])
+@pytest.mark.parametrize("mode", ["default", "override"])
+def test_pg_transport_stalled_peer_times_out_on_the_transport_deadline(
+    gloo_pair: list[Any], direction: str, mode: str
+) -> None:
+    short = timedelta(milliseconds=100)
+    transport: PGTransport[dict[str, Any]] = PGTransport(
+        gloo_pair[0], timeout=TIMEOUT if mode == "override" else short, device=torch.device("cpu")
+    )
+    kwargs = {"timeout": short} if mode == "override" else {}
+    with pytest.raises(RuntimeError, match=TIMEOUT_REGEX) as info:
+        if direction == "send":
+            transport.send_checkpoint([1], 1, {"tensor": torch.arange(4)}, **kwargs)
+        else:
+            transport.recv_checkpoint(1, "<n/a>", 1, **kwargs)
+    # The transport's deadline applied, not the group's.
+    assert "timed out after 0.1 s" in str(info.value)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("first", ["send", "recv"])
+def test_pg_transport_explicit_timeout_wins_over_the_default(
+    gloo_pair: list[Any], first: str
+) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    a, b = (PGTransport(pg, timeout=timedelta(milliseconds=20)) for pg in gloo_pair)
+    expected = {"tensor": torch.arange(4), "step": 1}
+    forever = timedelta(0)  # torch's "no timeout": the group's own
+
+    def send() -> None:
+        a.send_checkpoint([1], 1, expected, timeout=forever)
+
+    def recv() -> Any:
+        return b.recv_checkpoint(0, "<n/a>", 1, timeout=forever)
+
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        if first == "send":
+            sent = executor.submit(send)
+            time.sleep(0.1)  # longer than the 20 ms default
+            got = recv()
+            sent.result(timeout=10)
+        else:
+            received = executor.submit(recv)
+            time.sleep(0.1)
+            send()
+            got = received.result(timeout=10)
+    _assert_same(expected, got)

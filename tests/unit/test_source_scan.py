@@ -51,13 +51,17 @@ ALLOWED: dict[tuple[str, str], str] = {
     ): "the result pipe between the rank launcher and the ranks it forks (tests, "
     "benchmarks, the demo): local processes of one user",
     (
-        "checkpointing/_wire.py",
+        "coordinator/group.py",
         "pickle.loads",
-    ): "removed by the checkpointing change (the checkpoint wire format without pickle)",
+    ): "vLLM's GroupCoordinator contract: send_object/recv_object carry arbitrary Python "
+    "objects between the ranks of one job over the job's own process group, as "
+    "torch.distributed's *_object collectives do (they pickle too)",
     (
-        "checkpointing/pg_transport.py",
+        "coordinator/message_queue.py",
         "pickle.loads",
-    ): "removed by the checkpointing change (the checkpoint wire format without pickle)",
+    ): "vLLM's MessageQueue contract: it broadcasts Python objects from the job's writer rank "
+    "to its readers; local readers share memory only this user can open, remote ones "
+    "a CurveZMQ socket whose key is exchanged over the job's own process group",
 }
 
 

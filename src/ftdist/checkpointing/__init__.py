@@ -10,14 +10,29 @@ touching storage:
 - :class:`PGTransport`: send/recv over the (just reconfigured) process group.
 
 Both stream tensors straight from and into memory (no serialised copy of the
-whole state), end each stream with a CRC-32 so corruption or truncation is an
-error, and refuse a checkpoint of the wrong step.
+whole state), describe the state in a plain-data header (no pickle: a peer's
+bytes never run code here), end each stream with a CRC-32 so corruption or
+truncation is an error, and refuse a checkpoint of the wrong step. The wire
+format and the security properties are in docs/checkpointing.md.
 """
 
 from __future__ import annotations
 
-from ftdist.checkpointing.http_transport import HTTPTransport
+from ftdist.checkpointing.http_transport import (
+    CheckpointHTTPError,
+    CheckpointTimeoutError,
+    CheckpointURLError,
+    HTTPTransport,
+)
 from ftdist.checkpointing.pg_transport import PGTransport
 from ftdist.checkpointing.transport import CheckpointTransport, TransferStats
 
-__all__ = ["CheckpointTransport", "HTTPTransport", "PGTransport", "TransferStats"]
+__all__ = [
+    "CheckpointHTTPError",
+    "CheckpointTimeoutError",
+    "CheckpointTransport",
+    "CheckpointURLError",
+    "HTTPTransport",
+    "PGTransport",
+    "TransferStats",
+]

@@ -4,22 +4,32 @@ The checkpoint stream format
 
 A state dict crosses the wire as one stream, written straight from the live
 tensors and read straight into the tensors that will hold the result: no
-serialised copy of the whole state exists on either side.
+serialised copy of the whole state exists on either side. Version 2::
 
-::
+    prefix (32) | header (JSON, ASCII) | tensor bytes ... | trailer (16)
 
-    magic (8) | header length (8) | header (pickle) | tensor bytes ... | trailer (16)
+    prefix  = magic "FTDCKPT2" | header length u64 | body length u64
+              | CRC-32 of the header u32 | 0 u32          (little endian)
+    trailer = bytes before the trailer u64 | CRC-32 of them u64
 
-The header holds the step, the pytree spec, the non-tensor leaves and each
-tensor's dtype and shape. Tensor bytes are each tensor's contents in
-row-major order. The trailer holds the number of bytes before it and their
-CRC-32, so a truncated or corrupted stream is an error, never a silently
-wrong model.
+The header is plain data (see :mod:`ftdist.checkpointing._codec`): the step,
+the state's tree with tensors as references, each tensor's dtype, shape,
+strides, device and kind, and which tensors this stream carries. It is at
+most :data:`MAX_HEADER_BYTES` long (checked before anything is allocated for
+it, and read as it arrives), and its CRC-32 is checked before a byte of it is
+parsed. Tensor bytes are each tensor's memory as laid out (any dense stride
+order, so a transposed tensor travels without a copy and arrives transposed);
+tensors with gaps travel row-major. The trailer catches truncation and
+corruption of the body: a damaged stream is an error, never a silently wrong
+model.
+
+The process-group transport sends the same bytes as separate messages
+(prefix, header, each tensor, trailer).
 """
 
 from __future__ import annotations
 
-import pickle
+import json
 import struct
 import zlib
 from collections.abc import Callable, Iterator
@@ -27,146 +37,221 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
+from ftdist.checkpointing import _codec, _dtensor
+from ftdist.checkpointing._codec import LeafMeta, dense_stride, where
 from ftdist.errors import CheckpointError
 
-MAGIC = b"FTDSTCK1"
-_LEN = struct.Struct("<Q")
+MAGIC = b"FTDCKPT2"
+_OLD_MAGICS = (b"FTDSTCK1",)
+FORMAT = 2
+_PREFIX = struct.Struct("<8sQQII")
+PREFIX_BYTES = _PREFIX.size
 _TRAILER = struct.Struct("<QQ")
-# Device-to-host copies and socket writes go in pieces of this size, so a
-# GPU state never needs a second full copy in host memory.
+TRAILER_BYTES = _TRAILER.size
+# A header describes every leaf (about 150 bytes a tensor): 128 MiB is room
+# for ~800k tensors, and bounds what a peer can make a receiver hold.
+MAX_HEADER_BYTES = 128 << 20
+# Device-to-host copies, socket writes and header reads go in pieces of this
+# size, so a GPU state never needs a second full copy in host memory.
 CHUNK_BYTES = 16 << 20
+_HEADER_KEYS = {"format", "step", "tree", "tensors", "carried"}
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a 1-D uint8 tensor: a view when ``t`` is dense, else a row-major copy."""
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    if dense_stride(tuple(t.shape), tuple(t.stride())):
+        flat = t.as_strided((t.numel(),), (1,), t.storage_offset())
+    else:
+        flat = t.contiguous().reshape(-1)
+    return flat.view(torch.uint8)
+
+
+def host_view(flat: torch.Tensor) -> memoryview:
+    """The bytes of a 1-D uint8 CPU tensor, without a copy."""
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(cast(Any, flat.numpy())).cast("B")
+
+
+def crc_flat(crc: int, flat: torch.Tensor) -> int:
+    """Fold a 1-D uint8 tensor (any device) into ``crc``."""
+    if flat.device.type == "cpu":
+        return zlib.crc32(host_view(flat), crc)
+    for start in range(0, flat.numel(), CHUNK_BYTES):
+        crc = zlib.crc32(host_view(flat[start : start + CHUNK_BYTES].cpu()), crc)
+    return crc
+
+
+def crc_update(crc: int, t: torch.Tensor) -> int:
+    """Fold the contents of ``t`` (any device, any layout) in row-major order into ``crc``."""
+    return crc_flat(crc, t.detach().contiguous().reshape(-1).view(torch.uint8))
 
 
 @dataclass(frozen=True)
-class TensorMeta:
-    """What the receiver needs to allocate a tensor leaf."""
+class Stream:
+    """One planned stream: its prefix and header, and the tensors whose bytes follow.
 
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device: str
-    nbytes: int
+    Attributes:
+        head: prefix and header bytes.
+        tensors: the carried tensors, in stream order.
+        body_len: bytes of tensor data.
+    """
+
+    head: bytes
+    tensors: list[torch.Tensor]
+    body_len: int
+
+    @property
+    def size(self) -> int:
+        """Total bytes of the stream (for Content-Length)."""
+        return len(self.head) + self.body_len + TRAILER_BYTES
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def plan(state_dict: Any, step: int, num_chunks: int = 1) -> list[Stream]:
+    """Split a state dict into ``num_chunks`` streams (tensors dealt round-robin).
+
+    Every stream's header describes the whole state, so each decodes alone.
+    Nothing is copied: the streams refer to the live tensors.
+
+    Raises:
+        TypeError: a leaf cannot travel (the message names it), or ``step``
+            is not an int.
+        ValueError: the header would exceed :data:`MAX_HEADER_BYTES`.
+    """
+    if type(step) is not int:
+        raise TypeError(f"step must be an int, got {step!r}")
+    enc = _codec.encode(state_dict)
+    try:
+        tree = json.dumps(enc.tree, separators=(",", ":"))
+        metas = json.dumps(enc.metas, separators=(",", ":"))
+    except ValueError as exc:  # an int too long to print
+        raise TypeError(f"cannot send the state: {exc}") from exc
+    n = max(1, num_chunks)
+    streams = []
+    for chunk in range(n):
+        carried = list(range(chunk, len(enc.tensors), n))
+        header = (
+            f'{{"format":{FORMAT},"step":{step},"carried":{json.dumps(carried)},'
+            f'"tree":{tree},"tensors":{metas}}}'
+        ).encode("ascii")
+        if len(header) > MAX_HEADER_BYTES:
+            raise ValueError(
+                f"the checkpoint header is {len(header)} bytes, more than the "
+                f"{MAX_HEADER_BYTES} a peer accepts: the state has too many leaves"
+            )
+        tensors = [enc.tensors[i] for i in carried]
+        body = sum(_nbytes(t) for t in tensors)
+        prefix = _PREFIX.pack(MAGIC, len(header), body, zlib.crc32(header), 0)
+        streams.append(Stream(prefix + header, tensors, body))
+    return streams
+
+
+def chunks(stream: Stream) -> Iterator[memoryview | bytes]:
+    """The stream as a sequence of buffers; the last one is the trailer.
+
+    CPU tensors are yielded as views of their own memory; other devices'
+    tensors are copied to the host :data:`CHUNK_BYTES` at a time.
+    """
+    crc = zlib.crc32(stream.head)
+    total = len(stream.head)
+    yield stream.head
+    for t in stream.tensors:
+        flat = flat_bytes(t)
+        for start in range(0, flat.numel(), CHUNK_BYTES):
+            piece = flat[start : start + CHUNK_BYTES]
+            buf = host_view(piece if piece.device.type == "cpu" else piece.cpu())
+            crc = zlib.crc32(buf, crc)
+            total += len(buf)
+            yield buf
+    yield _TRAILER.pack(total, crc)
+
+
+def trailer_bytes(total: int, crc: int) -> bytes:
+    """The trailer for ``total`` bytes with CRC-32 ``crc``."""
+    return _TRAILER.pack(total, crc)
 
 
 @dataclass(frozen=True)
 class Header:
-    """The stream header.
+    """A checked stream header.
 
-    A stream may carry only some of the tensor leaves (one of several
-    parallel chunks); ``carried`` lists their leaf indices, in stream order.
+    Attributes:
+        step: the step of the state.
+        tree: the state's tree (plain data, checked).
+        leaves: every tensor leaf of the state, in table order.
+        carried: the indices of the leaves this stream carries, in order.
+        body_len: bytes of tensor data that follow.
     """
 
     step: int
-    spec: Any
-    leaves: list[Any]  # TensorMeta for tensor leaves, the value otherwise
+    tree: Any
+    leaves: list[LeafMeta]
     carried: list[int]
+    body_len: int
 
 
-def _byte_view(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy."""
-    flat = t.reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return memoryview(cast(Any, flat.view(torch.uint8).numpy())).cast("B")
-
-
-def plan(state_dict: Any, step: int, num_chunks: int = 1) -> list[tuple[bytes, list[torch.Tensor]]]:
-    """Split a state dict into ``num_chunks`` streams: (encoded header, tensors) each.
-
-    Tensor leaves are dealt round-robin across the chunks; every chunk's
-    header describes all leaves, so each chunk decodes on its own.
+def parse_prefix(raw: bytes, what: str) -> tuple[int, int, int]:
+    """Check a stream prefix: (header length, body length, header CRC-32).
 
     Raises:
-        TypeError: a leaf is a tensor subclass (e.g. DTensor) or a sparse
-            tensor, which this format does not carry.
+        CheckpointError: not a version-2 stream, or a header longer than
+            :data:`MAX_HEADER_BYTES`.
     """
-    leaves, spec = tree_flatten(state_dict)
-    metas: list[Any] = []
-    tensors: list[torch.Tensor] = []
-    tensor_index: list[int] = []
-    for index, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor):
-            if type(leaf) is not torch.Tensor and not isinstance(leaf, torch.nn.Parameter):
-                raise TypeError(
-                    f"cannot stream a {type(leaf).__name__} leaf; convert it to a "
-                    "plain tensor (e.g. DTensor.to_local()) in the state_dict function"
-                )
-            if leaf.layout != torch.strided:
-                raise TypeError(f"cannot stream a {leaf.layout} tensor; densify it first")
-            t = leaf.detach()
-            metas.append(
-                TensorMeta(tuple(t.shape), t.dtype, str(t.device), t.numel() * t.element_size())
+    magic, header_len, body_len, header_crc, _ = _PREFIX.unpack(raw)
+    if magic != MAGIC:
+        if magic in _OLD_MAGICS:
+            raise CheckpointError(
+                f"{what} sent an older ftdist checkpoint format; run the same ftdist version "
+                "in every replica"
             )
-            tensors.append(t)
-            tensor_index.append(index)
-        else:
-            metas.append(leaf)
-    try:
-        # A TreeSpec pickles with version-specific classes; its JSON form is
-        # stable across torch versions. Custom containers fall back to pickle.
-        portable_spec: Any = treespec_dumps(spec)
-    except Exception:
-        portable_spec = spec
-    streams = []
-    for chunk in range(max(1, num_chunks)):
-        carried = tensor_index[chunk :: max(1, num_chunks)]
-        header = pickle.dumps(
-            Header(step, portable_spec, metas, carried), protocol=pickle.HIGHEST_PROTOCOL
+        raise CheckpointError(f"{what} did not send an ftdist checkpoint stream")
+    if not 0 < header_len <= MAX_HEADER_BYTES:
+        raise CheckpointError(
+            f"{what} announced a checkpoint header of {header_len} bytes "
+            f"(at most {MAX_HEADER_BYTES} are accepted)"
         )
-        streams.append((header, tensors[chunk :: max(1, num_chunks)]))
-    return streams
+    return header_len, body_len, header_crc
 
 
-def stream_size(header: bytes, tensors: list[torch.Tensor]) -> int:
-    """Total bytes of the stream for this plan (for Content-Length)."""
-    body = sum(t.numel() * t.element_size() for t in tensors)
-    return len(MAGIC) + _LEN.size + len(header) + body + _TRAILER.size
+def parse_header(raw: bytes, header_crc: int, body_len: int, what: str) -> Header:
+    """Check the header's CRC-32, then decode and check it.
 
-
-def chunks(header: bytes, tensors: list[torch.Tensor]) -> Iterator[memoryview | bytes]:
-    """The stream as a sequence of buffers; the last one is the trailer.
-
-    CPU tensors are yielded as views of their own memory (contiguous ones
-    without any copy); CUDA tensors are copied to host :data:`CHUNK_BYTES` at
-    a time.
+    Raises:
+        CheckpointError: the CRC differs, or the header is not what
+            :func:`plan` writes.
     """
-    crc = 0
-    total = 0
-
-    def emit(buf: memoryview | bytes) -> memoryview | bytes:
-        nonlocal crc, total
-        crc = zlib.crc32(buf, crc)
-        total += len(buf)
-        return buf
-
-    yield emit(MAGIC + _LEN.pack(len(header)))
-    yield emit(header)
-    for t in tensors:
-        if t.device.type == "cpu":
-            view = _byte_view(t.contiguous())
-            for start in range(0, len(view), CHUNK_BYTES):
-                yield emit(view[start : start + CHUNK_BYTES])
-        else:
-            flat = t.contiguous().reshape(-1).view(torch.uint8)
-            for start in range(0, flat.numel(), CHUNK_BYTES):
-                yield emit(_byte_view(flat[start : start + CHUNK_BYTES].cpu()))
-    yield _TRAILER.pack(total, crc)
-
-
-def crc_update(crc: int, t: torch.Tensor) -> int:
-    """Fold the bytes of tensor ``t`` (any device) into ``crc``."""
-    if t.device.type == "cpu":
-        return zlib.crc32(_byte_view(t.contiguous()), crc)
-    flat = t.contiguous().reshape(-1).view(torch.uint8)
-    for start in range(0, flat.numel(), CHUNK_BYTES):
-        crc = zlib.crc32(_byte_view(flat[start : start + CHUNK_BYTES].cpu()), crc)
-    return crc
-
-
-def stream_prefix(header: bytes) -> bytes:
-    """The bytes a stream starts with, before the header."""
-    return MAGIC + _LEN.pack(len(header))
+    if zlib.crc32(raw) != header_crc:
+        raise CheckpointError(f"the checkpoint header from {what} is corrupt (CRC-32 mismatch)")
+    try:
+        doc = json.loads(raw.decode("ascii"))
+        if type(doc) is not dict or set(doc) != _HEADER_KEYS or doc["format"] != FORMAT:
+            raise _codec.bad("not a version-2 header object")
+        step = _codec.as_int(doc["step"], "step", -(1 << 63), (1 << 63) - 1)
+        leaves = _codec.check(doc["tree"], doc["tensors"])
+        carried = doc["carried"]
+        if type(carried) is not list or any(
+            type(i) is not int or not 0 <= i < len(leaves) for i in carried
+        ):
+            raise _codec.bad("the carried list is not a list of tensor indices")
+        if len(set(carried)) != len(carried):
+            raise _codec.bad("the carried list repeats a tensor")
+    except CheckpointError as exc:
+        raise CheckpointError(f"{exc} (from {what})") from None
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError) as exc:
+        raise CheckpointError(f"malformed checkpoint header from {what}: {exc!r:.200}") from None
+    if sum(leaves[i].nbytes for i in carried) != body_len:
+        raise CheckpointError(
+            f"{what} announced {body_len} bytes of tensor data, its header describes "
+            f"{sum(leaves[i].nbytes for i in carried)}"
+        )
+    return Header(step, doc["tree"], leaves, carried, body_len)
 
 
 class StreamReader:
@@ -180,9 +265,9 @@ class StreamReader:
 
     def __init__(self, readinto: Callable[[memoryview], int], what: str) -> None:
         self._readinto = readinto
-        self._what = what
+        self.what = what
         self._crc = 0
-        self._total = 0
+        self.total = 0
 
     def _fill(self, view: memoryview, check: bool = True) -> None:
         got = 0
@@ -190,35 +275,45 @@ class StreamReader:
             n = self._readinto(view[got:])
             if not n:
                 raise CheckpointError(
-                    f"checkpoint stream from {self._what} was truncated after "
-                    f"{self._total + got} bytes"
+                    f"checkpoint stream from {self.what} was truncated after "
+                    f"{self.total + got} bytes"
                 )
             got += n
         if check:
             self._crc = zlib.crc32(view, self._crc)
-            self._total += len(view)
+            self.total += len(view)
 
-    def read_header(self) -> Header:
-        """Read and decode the header.
+    def read_header(self, size: int | None = None) -> Header:
+        """Read, check and decode the prefix and header.
+
+        Args:
+            size: the stream's length when known (HTTP Content-Length); it
+                must agree with the prefix.
 
         Raises:
-            CheckpointError: not an ftdist checkpoint stream, or truncated.
+            CheckpointError: not a version-2 stream, too long a header, a
+                corrupt header, or truncated.
         """
-        prefix = bytearray(len(MAGIC) + _LEN.size)
+        prefix = bytearray(PREFIX_BYTES)
         self._fill(memoryview(prefix))
-        if bytes(prefix[: len(MAGIC)]) != MAGIC:
-            raise CheckpointError(f"{self._what} did not send an ftdist checkpoint stream")
-        (length,) = _LEN.unpack_from(prefix, len(MAGIC))
-        raw = bytearray(length)
-        self._fill(memoryview(raw))
-        header = pickle.loads(bytes(raw))
-        if not isinstance(header, Header):
-            raise CheckpointError(f"{self._what} sent a malformed checkpoint header")
-        return header
+        header_len, body_len, header_crc = parse_prefix(bytes(prefix), self.what)
+        if size is not None and size != PREFIX_BYTES + header_len + body_len + TRAILER_BYTES:
+            raise CheckpointError(
+                f"{self.what} sent {size} bytes but its stream prefix announces "
+                f"{PREFIX_BYTES + header_len + body_len + TRAILER_BYTES}"
+            )
+        # Grown as bytes arrive: a peer that announces a long header and
+        # sends nothing makes this process hold nothing.
+        raw = bytearray()
+        while len(raw) < header_len:
+            piece = bytearray(min(header_len - len(raw), CHUNK_BYTES))
+            self._fill(memoryview(piece))
+            raw += piece
+        return parse_header(bytes(raw), header_crc, body_len, self.what)
 
-    def read_into(self, t: torch.Tensor) -> None:
-        """Fill contiguous CPU tensor ``t`` from the stream."""
-        view = _byte_view(t)
+    def read_into(self, flat: torch.Tensor) -> None:
+        """Fill a 1-D uint8 CPU tensor from the stream."""
+        view = host_view(flat)
         for start in range(0, len(view), CHUNK_BYTES):
             self._fill(view[start : start + CHUNK_BYTES])
 
@@ -228,18 +323,56 @@ class StreamReader:
         Raises:
             CheckpointError: the byte count or the CRC-32 differ.
         """
-        raw = bytearray(_TRAILER.size)
+        raw = bytearray(TRAILER_BYTES)
         self._fill(memoryview(raw), check=False)
-        total, crc = _TRAILER.unpack(raw)
-        if total != self._total or crc != self._crc:
-            raise CheckpointError(
-                f"checkpoint stream from {self._what} is corrupt: received {self._total} bytes "
-                f"with CRC-32 {self._crc:#010x}, sender wrote {total} bytes with CRC-32 {crc:#010x}"
-            )
+        check_trailer(raw, self.total, self._crc, self.what)
+
+
+def check_trailer(raw: bytes | bytearray, total: int, crc: int, what: str) -> None:
+    """Compare a received trailer with the byte count and CRC-32 of what came before it.
+
+    Raises:
+        CheckpointError: they differ.
+    """
+    sent_total, sent_crc = _TRAILER.unpack(bytes(raw))
+    if (sent_total, sent_crc) != (total, crc):
+        raise CheckpointError(
+            f"checkpoint stream from {what} is corrupt: received {total} bytes with "
+            f"CRC-32 {crc:#010x}, sender wrote {sent_total} bytes with CRC-32 {sent_crc:#010x}"
+        )
+
+
+def check_step(header: Header, step: int, what: str) -> None:
+    """Refuse a state of another step than the one asked for.
+
+    Raises:
+        CheckpointError: the steps differ.
+    """
+    if header.step != step:
+        raise CheckpointError(
+            f"refusing checkpoint of step {header.step} from {what}: expected step {step}"
+        )
+
+
+def allocate(meta: LeafMeta, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor laid out as ``meta`` says.
+
+    Raises:
+        CheckpointError: the memory cannot be had.
+    """
+    try:
+        return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=device)
+    except RuntimeError as exc:
+        raise CheckpointError(
+            f"cannot allocate {meta.nbytes} bytes for {where(meta.path)}: {exc}"
+        ) from exc
 
 
 def read_leaves(
-    reader: StreamReader, step: int, device: Callable[[TensorMeta], torch.device] | None = None
+    reader: StreamReader,
+    step: int,
+    device: Callable[[LeafMeta], torch.device] | None = None,
+    size: int | None = None,
 ) -> tuple[Header, dict[int, torch.Tensor]]:
     """Read one stream into fresh tensors: the header and {leaf index: tensor}.
 
@@ -248,39 +381,62 @@ def read_leaves(
         step: the step the caller expects; any other is refused.
         device: where each tensor lands (default: CPU). Tensors are received
             on the host and then moved.
+        size: the stream's length when known.
 
     Raises:
-        CheckpointError: wrong step, truncated or corrupted stream.
+        CheckpointError: wrong step, malformed, truncated or corrupted stream.
     """
-    header = reader.read_header()
-    if header.step != step:
-        raise CheckpointError(
-            f"refusing checkpoint of step {header.step} from {reader._what}: expected step {step}"
-        )
+    header = reader.read_header(size)
+    check_step(header, step, reader.what)
+    cpu = torch.device("cpu")
     got: dict[int, torch.Tensor] = {}
     for index in header.carried:
         meta = header.leaves[index]
-        t = torch.empty(meta.shape, dtype=meta.dtype)
-        reader.read_into(t)
-        target = device(meta) if device is not None else torch.device("cpu")
+        t = allocate(meta, cpu)
+        reader.read_into(flat_bytes(t))
+        target = cpu if device is None or meta.kind == "ndarray" else device(meta)
         got[index] = t if target.type == "cpu" else t.to(target)
     reader.read_trailer()
     return header, got
+
+
+def same_state(a: Header, b: Header, what: str) -> None:
+    """Check that two chunk headers describe the same state.
+
+    Raises:
+        CheckpointError: they differ.
+    """
+    if a.step != b.step or a.tree != b.tree or a.leaves != b.leaves:
+        raise CheckpointError(f"the chunks from {what} describe different states")
+
+
+def leaf(meta: LeafMeta, t: torch.Tensor) -> Any:
+    """The state's leaf for tensor ``t`` received as ``meta`` (Parameter, DTensor, array...).
+
+    Raises:
+        CheckpointError: it cannot be rebuilt here.
+    """
+    try:
+        if meta.kind == "ndarray":
+            return t.cpu().numpy()
+        if meta.kind == "dtensor" and meta.spec is not None:
+            return _dtensor.build(t, meta.spec, meta.grad, meta.param, where(meta.path))
+        if meta.kind == "parameter":
+            return torch.nn.Parameter(t, requires_grad=meta.grad)
+        return t.requires_grad_(True) if meta.grad else t
+    except RuntimeError as exc:
+        raise CheckpointError(f"cannot rebuild {where(meta.path)}: {exc}") from exc
 
 
 def assemble(header: Header, tensors: dict[int, torch.Tensor]) -> Any:
     """Rebuild the state dict from a header and every chunk's tensors.
 
     Raises:
-        CheckpointError: a tensor leaf is missing.
+        CheckpointError: a tensor leaf is missing or cannot be rebuilt.
     """
-    leaves = []
-    for index, leaf in enumerate(header.leaves):
-        if isinstance(leaf, TensorMeta):
-            if index not in tensors:
-                raise CheckpointError(f"checkpoint is missing tensor leaf {index}")
-            leaves.append(tensors[index])
-        else:
-            leaves.append(leaf)
-    spec = treespec_loads(header.spec) if isinstance(header.spec, str) else header.spec
-    return tree_unflatten(leaves, spec)
+    missing = [i for i in range(len(header.leaves)) if i not in tensors]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint is missing tensor leaf {where(header.leaves[missing[0]].path)}"
+        )
+    return _codec.build(header.tree, lambda i: leaf(header.leaves[i], tensors[i]))

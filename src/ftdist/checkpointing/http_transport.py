@@ -7,50 +7,95 @@ pulls it. ``send_checkpoint`` only publishes a reference to the state (no
 copy) and returns; the bytes are written straight from the tensors when a
 peer asks. :meth:`HTTPTransport.disallow_checkpoint` (called by the Manager
 after the commit vote, before the optimizer mutates the state) waits for
-transfers in flight to finish.
+transfers in flight to finish, and cuts off any still running at its
+deadline: a slow or hostile reader can delay the training loop by at most
+the transport timeout and never fails it.
 
 ``GET /checkpoint/{step}/full`` streams everything; with ``num_chunks > 1``
 the receiver fetches ``/checkpoint/{step}/{i}`` for each chunk in parallel.
-A request for another step than the one served gets 400: a replica never
-heals from the wrong step.
+A request for an older step than the one served gets 400 (a replica never
+heals from the wrong step); one for a newer step waits, up to the timeout,
+for this source to publish it (the peer asked first). The stream format is :mod:`._wire` (plain-data
+header, CRC-32 checked); the server's bounds are :mod:`._http_server`.
+
+Failures reach the caller as :class:`~ftdist.errors.CheckpointError`
+subclasses that are also ``urllib.error`` errors, as torchft's callers
+expect: :class:`CheckpointHTTPError` (an ``HTTPError``) for an answer other
+than 200, :class:`CheckpointURLError` (a ``URLError``) when the source cannot
+be reached, and :class:`CheckpointTimeoutError` (also a ``TimeoutError``)
+when it stalls.
 """
 
 from __future__ import annotations
 
 import http.client
+import io
 import logging
 import socket
 import threading
 import time
+import urllib.error
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from email.message import Message
 from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit
 
 import torch
 
+from ftdist import _auth
 from ftdist.checkpointing import _wire
-from ftdist.checkpointing._rwlock import RWLock
+from ftdist.checkpointing._codec import LeafMeta
+from ftdist.checkpointing._http_server import CheckpointServer, Request
+from ftdist.checkpointing._rwlock import LockClosedError, RWLock
 from ftdist.checkpointing.transport import CheckpointTransport, TransferStats
 from ftdist.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+# Writes below this size are coalesced into one send.
+_SMALL_WRITE = 65536
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 1024
-    address_family = socket.AF_INET6
+class CheckpointURLError(CheckpointError, urllib.error.URLError):
+    """The checkpoint source could not be reached (also a ``urllib.error.URLError``).
 
-    def server_bind(self) -> None:
-        # One socket for IPv4 and IPv6 peers.
-        self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        super().server_bind()
+    Args:
+        reason: what went wrong (an exception or a message).
+    """
+
+    def __init__(self, reason: str | BaseException) -> None:
+        urllib.error.URLError.__init__(self, reason)
+
+    def __str__(self) -> str:
+        return f"<urlopen error {self.reason}>"
 
 
-def _default_device(meta: _wire.TensorMeta) -> torch.device:
+class CheckpointTimeoutError(CheckpointURLError, TimeoutError):
+    """The checkpoint source stalled past the timeout (also a ``TimeoutError``)."""
+
+
+class CheckpointHTTPError(CheckpointURLError, urllib.error.HTTPError):
+    """The source answered with an error status (also a ``urllib.error.HTTPError``).
+
+    ``str()`` reads ``HTTP Error 400: <the server's reason>``, as urllib's.
+
+    Args:
+        url: the URL fetched.
+        code: the HTTP status.
+        msg: the server's reason phrase.
+        hdrs: the response headers.
+        body: the start of the response body.
+    """
+
+    def __init__(self, url: str, code: int, msg: str, hdrs: Message, body: bytes) -> None:
+        urllib.error.HTTPError.__init__(self, url, code, msg, hdrs, io.BytesIO(body))
+
+    def __str__(self) -> str:
+        return f"HTTP Error {self.code}: {self.msg}"
+
+
+def _default_device(meta: LeafMeta) -> torch.device:
     if meta.device.startswith("cuda") and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -59,21 +104,35 @@ def _default_device(meta: _wire.TensorMeta) -> torch.device:
 class HTTPTransport(CheckpointTransport[T]):
     """Serves the live state dict over HTTP and fetches peers' states.
 
+    Starts disallowed: nothing is served until :meth:`send_checkpoint` (or
+    :meth:`allow_checkpoint`); a request that comes earlier waits for it, up
+    to the timeout.
+
     Args:
-        timeout: per-request socket timeout, and how long
-            :meth:`disallow_checkpoint` waits for transfers in flight.
+        timeout: per-request socket timeout, how long a request waits for a
+            state to be served, and how long :meth:`disallow_checkpoint`
+            waits for transfers in flight before cutting them off.
         num_chunks: 0 or 1 for one stream; more for that many parallel
             streams (helps where one TCP stream cannot fill the link).
         hostname: the name peers use to reach this server (default: this
             host's name).
+        token: the job token; peers must present it to fetch this rank's
+            state, and it is presented to peers. Default: ``FTDIST_JOB_TOKEN``
+            or ``FTDIST_JOB_TOKEN_FILE``; without any, the server is open (as
+            torchft's is) and says so once in the log.
 
     Raises:
-        ValueError: ``num_chunks`` is negative.
+        ValueError: ``num_chunks`` is negative, or the token is malformed.
         TypeError: ``timeout`` is not a timedelta.
+        OSError: the token file cannot be read.
     """
 
     def __init__(
-        self, timeout: timedelta, num_chunks: int = 0, hostname: str | None = None
+        self,
+        timeout: timedelta,
+        num_chunks: int = 0,
+        hostname: str | None = None,
+        token: str | None = None,
     ) -> None:
         if not isinstance(timeout, timedelta):
             raise TypeError(f"timeout must be a datetime.timedelta, got {timeout!r}")
@@ -82,77 +141,85 @@ class HTTPTransport(CheckpointTransport[T]):
         self._timeout = timeout
         self._num_chunks = num_chunks
         self._hostname = hostname or socket.gethostname()
-        self._lock = RWLock(timeout.total_seconds())
-        self._lock.w_acquire()  # nothing is served until send_checkpoint
-        self._allowed = False
+        self._token = _auth.job_token(token)
+        _auth.warn_if_open(self._token, "the checkpoint server")
+        # torchft's names, which its tests read.
+        self._checkpoint_lock = RWLock(timeout.total_seconds())
+        self._disallowed = False
         self._step = -1
-        self._streams: list[tuple[bytes, list[torch.Tensor]]] = []
-        self._state_ref: Any = None
+        self._state_dict: Any = None
+        self._streams: list[_wire.Stream] = []
+        self._published = threading.Condition()
+        self._closed = False
         self.last_transfer: TransferStats | None = None
-        self._server = _Server(("::", 0), self._handler_class())
-        self._thread = threading.Thread(
-            target=self._server.serve_forever,
-            kwargs={"poll_interval": 0.1},
-            name="ftdist-http-transport",
-            daemon=True,
-        )
-        self._thread.start()
+        self.disallow_checkpoint()  # nothing is served before send_checkpoint
+        self._server = CheckpointServer(self._answer, timeout.total_seconds(), self._token)
 
     # -- serving -------------------------------------------------------------
-    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
-        transport = self
-
-        class Handler(BaseHTTPRequestHandler):
-            timeout = transport._timeout.total_seconds()
-
-            def setup(self) -> None:
-                super().setup()
-                # The stream starts with small writes (HTTP headers, stream
-                # header); with Nagle on, each waits for the peer's delayed
-                # ACK (40-200 ms on loopback).
-                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                logger.debug("checkpoint server: " + format, *args)
-
-            def do_GET(self) -> None:
-                transport._serve(self)
-
-        return Handler
-
-    def _serve(self, req: BaseHTTPRequestHandler) -> None:
-        parts = req.path.strip("/").split("/")
-        if len(parts) != 3 or parts[0] != "checkpoint" or not parts[1].lstrip("-").isdigit():
-            req.send_error(400, f"expected /checkpoint/<step>/<full|chunk>, got {req.path}")
-            return
-        step, key = int(parts[1]), parts[2]
-        try:
-            self._lock.r_acquire()
-        except TimeoutError:
-            req.send_error(503, "no checkpoint is being served")
-            return
-        try:
-            if step != self._step:
-                req.send_error(400, f"serving the checkpoint of step {self._step}, not step {step}")
+    def _answer(self, req: Request, step: int, key: str) -> None:
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        while True:
+            try:
+                self._checkpoint_lock.r_acquire(timeout=max(0.0, deadline - time.monotonic()))
+            except LockClosedError:
+                req.reply(503, "the checkpoint server is shutting down")
                 return
-            if key == "full":
-                streams = (
-                    self._streams if len(self._streams) == 1 else _wire.plan(self._state_ref, step)
+            except TimeoutError:
+                req.reply(
+                    503,
+                    f"timed out after {self._timeout.total_seconds()} s waiting for a "
+                    "checkpoint to be served",
                 )
-            elif key.isdigit() and int(key) < len(self._streams):
-                streams = [self._streams[int(key)]]
-            else:
-                req.send_error(400, f"no chunk {key!r}: this source serves {len(self._streams)}")
                 return
-            header, tensors = streams[0]
-            req.send_response(200)
-            req.send_header("Content-Type", "application/octet-stream")
-            req.send_header("Content-Length", str(_wire.stream_size(header, tensors)))
-            req.end_headers()
+            try:
+                served = self._step
+                if step == served:
+                    self._serve(req, step, key)
+                    return
+                if step < served or time.monotonic() >= deadline:
+                    req.reply(
+                        400, f"invalid checkpoint requested, serving {served} but got step={step}"
+                    )
+                    return
+            finally:
+                self._checkpoint_lock.r_release()
+            # A step newer than the one served: this source has not published
+            # it yet (a peer asked first). Wait for it, off the lock.
+            with self._published:
+                self._published.wait_for(
+                    lambda served=served: self._step != served or self._closed,  # type: ignore[misc]
+                    deadline - time.monotonic(),
+                )
+
+    def _serve(self, req: Request, step: int, key: str) -> None:
+        streams = self._streams
+        if not streams:
+            req.reply(503, f"no state is published for step {step}")
+            return
+        if key == "full":
+            stream = streams[0] if len(streams) == 1 else _wire.plan(self._state_dict, step)[0]
+        elif int(key) < len(streams):
+            stream = streams[int(key)]
+        else:
+            req.reply(400, f"no chunk {key}: this source serves {len(streams)} chunks")
+            return
+        self._write(req, stream)
+
+    @staticmethod
+    def _write(req: Request, stream: _wire.Stream) -> None:
+        req.responded = True
+        req.send_response(200)
+        req.send_header("Content-Type", "application/octet-stream")
+        req.send_header("Content-Length", str(stream.size))
+        req.end_headers()
+        req.streaming = True
+        try:
             small = bytearray()
-            for buf in _wire.chunks(header, tensors):
+            for buf in _wire.chunks(stream):
+                if req.aborted:
+                    raise ConnectionAbortedError("the state was revoked")
                 # Coalesce small pieces into one write; stream big ones as is.
-                if len(buf) < 65536:
+                if len(buf) < _SMALL_WRITE:
                     small += buf
                     continue
                 if small:
@@ -161,18 +228,29 @@ class HTTPTransport(CheckpointTransport[T]):
                 req.wfile.write(buf)
             if small:
                 req.wfile.write(small)
-        except (BrokenPipeError, ConnectionResetError):
-            logger.warning("a peer disconnected while fetching the checkpoint of step %d", step)
         finally:
-            self._lock.r_release()
+            req.streaming = False
+
+    def address(self) -> str:
+        """``http://host:port/checkpoint/``: append the step to fetch a state."""
+        host = f"[{self._hostname}]" if ":" in self._hostname else self._hostname
+        return f"http://{host}:{self._server.port}/checkpoint/"
 
     def metadata(self) -> str:
-        """``http://host:port/checkpoint/``."""
-        host = f"[{self._hostname}]" if ":" in self._hostname else self._hostname
-        return f"http://{host}:{self._server.server_address[1]}/checkpoint/"
+        """What peers pass to :meth:`recv_checkpoint`: :meth:`address`."""
+        return self.address()
+
+    def allow_checkpoint(self, step: int) -> None:
+        """Serve the published state as step ``step`` (idempotent)."""
+        with self._published:
+            self._step = step
+            self._published.notify_all()
+        if self._disallowed:
+            self._disallowed = False
+            self._checkpoint_lock.w_release()
 
     def send_checkpoint(
-        self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta
+        self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta | None = None
     ) -> None:
         """Serve ``state_dict`` (by reference, not copied) as step ``step``.
 
@@ -180,65 +258,92 @@ class HTTPTransport(CheckpointTransport[T]):
         :meth:`disallow_checkpoint` returns.
 
         Raises:
-            TypeError: the state holds a leaf this transport cannot carry.
+            TypeError: the state holds a leaf no transport can carry (the
+                message names it).
+            ValueError: the state has too many leaves for one header.
         """
         streams = _wire.plan(state_dict, step, max(1, self._num_chunks))
-        if self._allowed:
-            self.disallow_checkpoint()
-        self._state_ref = state_dict
+        self.disallow_checkpoint()
+        self._state_dict = state_dict
         self._streams = streams
-        self._step = step
-        self._allowed = True
-        self._lock.w_release()
+        self.allow_checkpoint(step)
 
     def disallow_checkpoint(self) -> None:
-        """Stop serving; waits for transfers in flight (up to the timeout).
+        """Stop serving; returns once no transfer reads the state (idempotent).
 
-        Raises:
-            TimeoutError: a transfer still reads the state after the timeout.
+        Transfers in flight may finish within the transport timeout; any
+        still running then is cut off (its peer gets an error and heals
+        again). New requests wait for the next :meth:`allow_checkpoint`.
+        Never raises because of a peer.
         """
-        if not self._allowed:
+        if self._disallowed:
             return
-        self._lock.w_acquire()
-        self._allowed = False
+        self._disallowed = True
+        try:
+            self._checkpoint_lock.w_acquire()
+        except LockClosedError:
+            return
+        except TimeoutError:
+            cut = self._server.abort_transfers()
+            logger.warning(
+                "%d checkpoint transfer(s) of step %d still running after %s: cut off so the "
+                "state can change (their peers will retry)",
+                cut,
+                self._step,
+                self._timeout,
+            )
+            try:
+                self._checkpoint_lock.w_acquire(timeout=min(1.0, self._timeout.total_seconds()))
+            except TimeoutError:
+                # A cut-off transfer can no longer complete: its peer sees a
+                # truncated stream whatever it reads from now on.
+                self._checkpoint_lock.w_force()
         self._streams = []
-        self._state_ref = None
-        self._step = -1
+        self._state_dict = None
 
     # -- fetching ------------------------------------------------------------
     def _fetch(
         self, url: str, step: int, timeout: timedelta
     ) -> tuple[_wire.Header, dict[int, torch.Tensor], int]:
         parts = urlsplit(url)
-        conn = http.client.HTTPConnection(
-            parts.hostname or "", parts.port, timeout=timeout.total_seconds()
-        )
+        seconds = timeout.total_seconds()
+        conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=seconds)
+        headers = {} if self._token is None else {"Authorization": _auth.bearer(self._token)}
         try:
             conn.connect()
             conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.request("GET", parts.path)
+            conn.request("GET", parts.path, headers=headers)
             resp = conn.getresponse()
             if resp.status != 200:
-                body = resp.read(2000).decode(errors="replace")
-                raise CheckpointError(f"{url} answered {resp.status}: {body.strip()}")
+                body = resp.read(2000)
+                raise CheckpointHTTPError(url, resp.status, resp.reason, resp.headers, body)
             reader = _wire.StreamReader(resp.readinto, url)
-            header, tensors = _wire.read_leaves(reader, step, _default_device)
-            return header, tensors, reader._total
-        except (OSError, http.client.HTTPException) as exc:
-            if isinstance(exc, TimeoutError) or isinstance(exc, socket.timeout):
-                raise TimeoutError(f"fetching {url} timed out after {timeout}") from exc
-            raise CheckpointError(f"fetching {url} failed: {exc}") from exc
+            header, tensors = _wire.read_leaves(reader, step, _default_device, size=resp.length)
+            return header, tensors, reader.total
+        except CheckpointError:
+            raise
+        except TimeoutError as exc:
+            raise CheckpointTimeoutError(f"fetching {url} timed out after {seconds} s") from exc
+        except OSError as exc:
+            raise CheckpointURLError(exc) from exc
+        except http.client.HTTPException as exc:
+            raise CheckpointURLError(f"fetching {url} failed: {exc!r}") from exc
         finally:
             conn.close()
 
-    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
+    def recv_checkpoint(
+        self, src_rank: int, metadata: str, step: int, timeout: timedelta | None = None
+    ) -> T:
         """Fetch the state of ``step`` from the source at ``metadata``.
 
         Raises:
-            CheckpointError: the source serves another step, or the stream
-                was truncated or corrupted.
-            TimeoutError: the source stalled for longer than ``timeout``.
+            CheckpointHTTPError: the source refused (another step is served:
+                ``serving {cur} but got step={step}``; no token: 401).
+            CheckpointTimeoutError: the source stalled past ``timeout``.
+            CheckpointURLError: the source cannot be reached.
+            CheckpointError: the stream was malformed, truncated or corrupted.
         """
+        timeout = self._timeout if timeout is None else timeout
         start = time.perf_counter()
         base = f"{metadata}{step}"
         if self._num_chunks <= 1:
@@ -251,6 +356,8 @@ class HTTPTransport(CheckpointTransport[T]):
                     )
                 )
             header = parts[0][0]
+            for part in parts[1:]:
+                _wire.same_state(header, part[0], metadata)
             tensors = {k: v for part in parts for k, v in part[1].items()}
             nbytes = sum(part[2] for part in parts)
         state = cast(T, _wire.assemble(header, tensors))
@@ -258,8 +365,9 @@ class HTTPTransport(CheckpointTransport[T]):
         return state
 
     def shutdown(self, wait: bool = True) -> None:
-        """Stop the server (and join its thread if ``wait``)."""
-        self._server.shutdown()
-        self._server.server_close()
-        if wait:
-            self._thread.join(timeout=10)
+        """Stop the server, cut off its connections (and join its threads if ``wait``)."""
+        with self._published:
+            self._closed = True
+            self._published.notify_all()
+        self._checkpoint_lock.close()
+        self._server.shutdown(wait)

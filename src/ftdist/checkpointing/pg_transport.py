@@ -3,15 +3,20 @@ Process-group checkpoint transport
 ==================================
 
 Sends the state over the replica process group itself (which the Manager has
-just reconfigured to include the recovering replica), one ``send`` per
-tensor, received in place into the recovering replica's own tensors when it
-can provide them. A CRC-32 over the header and every tensor's bytes is sent
-last and checked, as with the HTTP transport.
+just reconfigured to include the recovering replica), as the same stream the
+HTTP transport writes (:mod:`._wire`), one message per part: the 32-byte
+prefix, the plain-data header, each tensor's bytes, and the trailer. Every
+message is a tensor on the transport's device, so NCCL can carry it.
+
+Tensors are received in place into the recovering replica's own tensors when
+it provides them (``state_dict=``) and they match (same path, dtype, shape,
+strides and device type; for a DTensor, its local tensor). The header's
+CRC-32 is checked before it is decoded, the step before any tensor is
+received, and the whole stream's CRC-32 at the end.
 """
 
 from __future__ import annotations
 
-import pickle
 import time
 import zlib
 from collections.abc import Callable
@@ -19,15 +24,34 @@ from datetime import timedelta
 from typing import Any, TypeVar, cast
 
 import torch
-from torch.utils._pytree import tree_flatten
 
-from ftdist.checkpointing import _wire
+from ftdist.checkpointing import _dtensor, _wire
+from ftdist.checkpointing._codec import LeafMeta
 from ftdist.checkpointing.transport import CheckpointTransport, TransferStats
-from ftdist.errors import CheckpointError
+from ftdist.errors import CollectiveTimeoutError
 
 T = TypeVar("T")
 
-_TAG_LEN, _TAG_HEADER, _TAG_TRAILER, _TAG_TENSOR = 1, 2, 3, 16
+_TAG_PREFIX, _TAG_HEADER, _TAG_TRAILER, _TAG_TENSOR = 1, 2, 3, 16
+
+
+def _on(device: torch.device, data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+
+
+def _targets(state: Any) -> dict[tuple[Any, ...], torch.Tensor]:
+    """The tensors of a receiver's own state, by path (only dicts, lists and tuples are walked)."""
+    found: dict[tuple[Any, ...], torch.Tensor] = {}
+    stack: list[tuple[tuple[Any, ...], Any]] = [((), state)]
+    while stack:
+        path, obj = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            found[path] = obj
+        elif isinstance(obj, dict):
+            stack.extend(((*path, k), v) for k, v in obj.items())
+        elif isinstance(obj, (list, tuple)) and len(path) < 100:
+            stack.extend(((*path, i), v) for i, v in enumerate(obj))
+    return found
 
 
 class PGTransport(CheckpointTransport[T]):
@@ -35,10 +59,11 @@ class PGTransport(CheckpointTransport[T]):
 
     Args:
         pg: the group shared with the peers (replica ranks are its ranks).
-        timeout: default timeout of each transfer.
+        timeout: default timeout of each send and receive; an explicit
+            per-call ``timeout`` wins (``timedelta(0)`` means the group's own).
         device: where tensors travel (``cpu`` for Gloo, ``cuda`` for NCCL).
         state_dict: optional; returns the receiver's current state, whose
-            tensors are overwritten in place when shapes and dtypes match.
+            tensors are overwritten in place when they match.
 
     Raises:
         TypeError: ``timeout`` is not a timedelta.
@@ -49,7 +74,7 @@ class PGTransport(CheckpointTransport[T]):
         pg: Any,
         timeout: timedelta,
         device: torch.device | str = "cpu",
-        state_dict: Callable[[], T] | None = None,
+        state_dict: Callable[[], object] | None = None,
     ) -> None:
         if not isinstance(timeout, timedelta):
             raise TypeError(f"timeout must be a datetime.timedelta, got {timeout!r}")
@@ -63,8 +88,15 @@ class PGTransport(CheckpointTransport[T]):
         """Not needed: peers meet on the process group."""
         return "<n/a>"
 
-    def _wait(self, work: Any, timeout: timedelta | None) -> None:
-        work.wait(timeout or self._timeout)
+    def _wait(self, work: Any, timeout: timedelta | None, what: str) -> None:
+        limit = self._timeout if timeout is None else timeout
+        try:
+            work.wait(limit)
+        except TimeoutError as exc:
+            # torchft's callers look for "timed out" in the message.
+            raise CollectiveTimeoutError(
+                f"checkpoint {what} timed out after {limit.total_seconds()} s: {exc}"
+            ) from exc
 
     def send_checkpoint(
         self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta | None = None
@@ -72,32 +104,40 @@ class PGTransport(CheckpointTransport[T]):
         """Send ``state_dict`` of ``step`` to every rank in ``dst_ranks``; blocks.
 
         Raises:
+            TypeError: the state holds a leaf no transport can carry (the
+                message names it).
+            ValueError: the state has too many leaves for one header.
             CommunicationError: a send failed or timed out.
         """
         start = time.perf_counter()
-        header, tensors = _wire.plan(state_dict, step)[0]
-        prefix = _wire.stream_prefix(header) + header
-        raw = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
+        stream = _wire.plan(state_dict, step)[0]
+        prefix = _on(self._device, stream.head[: _wire.PREFIX_BYTES])
+        header = _on(self._device, stream.head[_wire.PREFIX_BYTES :])
+        total = 0
         for dst in dst_ranks:
-            self._wait(
-                self._pg.send([torch.tensor([raw.numel()], dtype=torch.int64)], dst, _TAG_LEN),
-                timeout,
-            )
-            self._wait(self._pg.send([raw.to(self._device)], dst, _TAG_HEADER), timeout)
+            what = f"send to rank {dst}"
+            self._wait(self._pg.send([prefix], dst, _TAG_PREFIX), timeout, what)
+            self._wait(self._pg.send([header], dst, _TAG_HEADER), timeout, what)
             # The CRC is folded in while each tensor is on the wire: no
             # separate pass over the state before sending.
-            crc, total = zlib.crc32(prefix), len(prefix)
-            for i, t in enumerate(tensors):
-                wire = t.contiguous().reshape(-1).view(torch.uint8).to(self._device)
+            crc, total = zlib.crc32(stream.head), len(stream.head)
+            for i, t in enumerate(stream.tensors):
+                flat = _wire.flat_bytes(t)
+                if not flat.numel():
+                    continue
+                wire = flat.to(self._device)
                 work = self._pg.send([wire], dst, _TAG_TENSOR + i)
-                crc = _wire.crc_update(crc, t)
-                total += t.numel() * t.element_size()
-                self._wait(work, timeout)
-            self._wait(
-                self._pg.send([torch.tensor([total, crc], dtype=torch.int64)], dst, _TAG_TRAILER),
-                timeout,
-            )
+                crc = _wire.crc_flat(crc, flat)
+                total += flat.numel()
+                self._wait(work, timeout, what)
+            trailer = _on(self._device, _wire.trailer_bytes(total, crc))
+            self._wait(self._pg.send([trailer], dst, _TAG_TRAILER), timeout, what)
         self.last_transfer = TransferStats(total * len(dst_ranks), time.perf_counter() - start)
+
+    def _recv_bytes(self, n: int, src: int, tag: int, timeout: timedelta | None) -> bytes:
+        buf = torch.empty(n, dtype=torch.uint8, device=self._device)
+        self._wait(self._pg.recv([buf], src, tag), timeout, f"receive from rank {src}")
+        return bytes(_wire.host_view(buf.cpu()))
 
     def recv_checkpoint(
         self, src_rank: int, metadata: str, step: int, timeout: timedelta | None = None
@@ -105,64 +145,63 @@ class PGTransport(CheckpointTransport[T]):
         """Receive the state of ``step`` from ``src_rank``.
 
         Raises:
-            CheckpointError: wrong step, or the data does not match its CRC.
+            CheckpointError: wrong step, a malformed header, or data that
+                does not match its CRC.
             CommunicationError: a receive failed or timed out.
         """
         start = time.perf_counter()
-        length = torch.zeros(1, dtype=torch.int64)
-        self._wait(self._pg.recv([length], src_rank, _TAG_LEN), timeout)
-        raw = torch.empty(int(length.item()), dtype=torch.uint8, device=self._device)
-        self._wait(self._pg.recv([raw], src_rank, _TAG_HEADER), timeout)
-        raw_bytes = raw.cpu().numpy().tobytes()
-        crc = zlib.crc32(raw_bytes)
-        header = pickle.loads(raw_bytes[len(_wire.stream_prefix(b"")) :])
-        if header.step != step:
-            raise CheckpointError(
-                f"refusing checkpoint of step {header.step} from rank "
-                f"{src_rank}: expected step {step}"
-            )
+        what = f"rank {src_rank}"
+        prefix = self._recv_bytes(_wire.PREFIX_BYTES, src_rank, _TAG_PREFIX, timeout)
+        header_len, body_len, header_crc = _wire.parse_prefix(prefix, what)
+        raw = self._recv_bytes(header_len, src_rank, _TAG_HEADER, timeout)
+        header = _wire.parse_header(raw, header_crc, body_len, what)
+        _wire.check_step(header, step, what)
         targets = self._in_place_targets(header)
         tensors: dict[int, torch.Tensor] = {}
-        total = len(raw_bytes)
+        crc, total = zlib.crc32(prefix + raw), len(prefix) + len(raw)
         for i, index in enumerate(header.carried):
             meta = header.leaves[index]
-            target = targets.get(index)
-            dst = (
-                target
-                if target is not None
-                else torch.empty(meta.shape, dtype=meta.dtype, device=self._device)
-            )
-            wire = dst.reshape(-1).view(torch.uint8)
-            self._wait(self._pg.recv([wire], src_rank, _TAG_TENSOR + i), timeout)
-            crc = _wire.crc_update(crc, dst)
-            total += meta.nbytes
+            dst = targets.get(index)
+            if dst is None:
+                dst = _wire.allocate(meta, self._device)
+            flat = _wire.flat_bytes(dst)
+            if flat.numel():
+                work = self._pg.recv([flat], src_rank, _TAG_TENSOR + i)
+                self._wait(work, timeout, f"receive from {what}")
+                crc = _wire.crc_flat(crc, flat)
+                total += flat.numel()
             tensors[index] = dst
-        trailer = torch.zeros(2, dtype=torch.int64)
-        self._wait(self._pg.recv([trailer], src_rank, _TAG_TRAILER), timeout)
-        sent_total, sent_crc = (int(v) for v in trailer.tolist())
-        if (sent_total, sent_crc) != (total, crc):
-            raise CheckpointError(
-                f"checkpoint from rank {src_rank} is corrupt: received {total} bytes with "
-                f"CRC-32 {crc:#010x}, sender wrote {sent_total} bytes with CRC-32 {sent_crc:#010x}"
-            )
+        trailer = self._recv_bytes(_wire.TRAILER_BYTES, src_rank, _TAG_TRAILER, timeout)
+        _wire.check_trailer(trailer, total, crc, what)
         self.last_transfer = TransferStats(total, time.perf_counter() - start)
         return cast(T, _wire.assemble(header, tensors))
 
     def _in_place_targets(self, header: _wire.Header) -> dict[int, torch.Tensor]:
         if self._state_dict is None:
             return {}
-        leaves, _ = tree_flatten(self._state_dict())
-        if len(leaves) != len(header.leaves):
-            return {}
+        mine = _targets(self._state_dict())
+        _dtensor.remember_targets(list(mine.values()))
         targets = {}
         for index in header.carried:
-            meta, mine = header.leaves[index], leaves[index]
-            if (
-                isinstance(mine, torch.Tensor)
-                and tuple(mine.shape) == meta.shape
-                and mine.dtype == meta.dtype
-                and mine.is_contiguous()
-                and mine.device.type == self._device.type
-            ):
-                targets[index] = mine.detach()
+            meta = header.leaves[index]
+            target = mine.get(meta.path)
+            if target is None:
+                continue
+            if _dtensor.is_dtensor(target):
+                target = _dtensor.local_tensor(target)
+            target = target.detach()
+            if _fits(target, meta, self._device):
+                targets[index] = target
         return targets
+
+
+def _fits(t: torch.Tensor, meta: LeafMeta, device: torch.device) -> bool:
+    """Whether ``t`` can receive ``meta``'s bytes in place, as laid out."""
+    if type(t) is not torch.Tensor or t.layout != torch.strided:
+        return False
+    if t.device.type != device.type or t.dtype != meta.dtype or tuple(t.shape) != meta.shape:
+        return False
+    # Strides of size-1 dimensions do not change the layout.
+    return all(
+        sz == 1 or a == b for sz, a, b in zip(meta.shape, t.stride(), meta.stride, strict=True)
+    )
