@@ -16,7 +16,7 @@ baseline, side by side with it.
     round, so both see the same noise of this shared machine); steps/s is K
     over the median block time, the ratio is the median of the per-round
     ratios (p10-p90 next to it). CPU ms/step is the rank process's CPU time
-    (all its threads) per step. The 4.2M-parameter row is the one the target
+    (all its threads) per step. The 12.6M-parameter row is the one the target
     applies to; smaller models show the fixed per-step protocol cost.
 
 (b) **Failure detection to next commit.** Two replica groups with the
@@ -204,19 +204,53 @@ def overhead_rank(
     ft = FtDDP(manager, ft_model)
     ft_opt = OptimizerWrapper(manager, ft_inner)
 
+    # Where the time goes, per phase of a step (seconds, summed over the
+    # timed blocks): zero_grad (ftdist: starts the quorum), forward, backward
+    # (the gradient allreduce runs in DDP's hooks), step (ftdist: the vote).
+    phases: dict[str, dict[str, float]] = {
+        name: dict.fromkeys(("zero_grad", "forward", "backward", "step"), 0.0)
+        for name in ("plain", "ftdist")
+    }
+    timing = [False]
+
+    def phased(name: str, model: nn.Module, opt: Any) -> None:
+        p = phases[name]
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        t1 = time.perf_counter()
+        loss = loss_fn(model(x), y)
+        t2 = time.perf_counter()
+        loss.backward()
+        t3 = time.perf_counter()
+        opt.step()
+        t4 = time.perf_counter()
+        if timing[0]:
+            p["zero_grad"] += t1 - t0
+            p["forward"] += t2 - t1
+            p["backward"] += t3 - t2
+            p["step"] += t4 - t3
+
     def plain_step() -> None:
-        plain_opt.zero_grad()
-        loss_fn(plain(x), y).backward()
-        plain_opt.step()
+        phased("plain", plain, plain_opt)
 
     failed = 0
+    quorum_s: list[float] = []
+    inner_quorum = manager._client.quorum
+
+    def timed_quorum(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return inner_quorum(*args, **kwargs)
+        finally:
+            if timing[0]:
+                quorum_s.append(time.perf_counter() - t0)
+
+    manager._client.quorum = timed_quorum  # type: ignore[method-assign]
 
     def ft_step() -> None:
         nonlocal failed
         before = manager.current_step()
-        ft_opt.zero_grad()
-        loss_fn(ft(x), y).backward()
-        ft_opt.step()
+        phased("ftdist", ft, ft_opt)
         if manager.current_step() == before:
             failed += 1
 
@@ -246,6 +280,7 @@ def overhead_rank(
         dist.broadcast(agreed, 0)
         k, rounds = int(agreed[0]), int(agreed[1])
         failed = 0
+        timing[0] = True
         for samples in cpu.values():
             samples.clear()
         times: dict[str, list[float]] = {"plain": [], "ftdist": []}
@@ -267,6 +302,8 @@ def overhead_rank(
         "cpu": cpu,
         "failed": failed,
         "committed": committed,
+        "phases": phases,
+        "quorum_s": quorum_s,
     }
 
 
@@ -692,10 +729,29 @@ def part_overhead(args: argparse.Namespace, targets: Targets) -> None:
                 f"    this process (lighthouse + harness) used {cpu_parent * 1e3:.0f} ms CPU "
                 f"during the target row"
             )
+            n_steps = r0["rounds"] * k
+            print("    where the time goes (rank 0, ms per step, mean over the timed steps):")
+            print(f"      {'phase':<34} {'plain':>7} {'ftdist':>7} {'delta':>7}")
+            what = {
+                "zero_grad": "zero_grad (ftdist: starts the quorum)",
+                "forward": "forward",
+                "backward": "backward (hooks: the allreduce)",
+                "step": "step (ftdist: waits, votes, commits)",
+            }
+            for phase, text in what.items():
+                pp = r0["phases"]["plain"][phase] / n_steps * 1e3
+                pf = r0["phases"]["ftdist"][phase] / n_steps * 1e3
+                print(f"      {text:<34} {pp:>7.2f} {pf:>7.2f} {pf - pp:>+7.2f}")
+            q = r0["quorum_s"]
+            if q:
+                print(
+                    f"      quorum round (background, overlaps forward): median "
+                    f"{statistics.median(q) * 1e3:.2f} ms, p90 {_pct(q, 90) * 1e3:.2f} ms"
+                )
             targets.append(
                 (
-                    f"(a) ftdist >= 0.9x plain DDP steps/s ({name}, b{args.batch})",
-                    ratio >= 0.9,
+                    f"(a) ftdist >= 0.95x plain DDP steps/s ({name}, b{args.batch})",
+                    ratio >= 0.95,
                     f"{ratio:.3f}x",
                 )
             )
@@ -996,13 +1052,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
     parser.add_argument(
-        "--width", type=int, default=1024, help="(a) width of the target-row MLP (default 1024)"
+        "--width", type=int, default=2048, help="(a) width of the target-row MLP (default 2048)"
     )
     parser.add_argument(
         "--depth",
         type=int,
-        default=4,
-        help="(a) depth of the target-row MLP (default 4: 4.2M params)",
+        default=3,
+        help="(a) depth of the target-row MLP (default 3: 12.6M params)",
     )
     parser.add_argument(
         "--warmup",

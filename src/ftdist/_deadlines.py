@@ -17,11 +17,11 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
-__all__ = ["DEADLINES", "Deadline", "Deadlines", "future_with_timeout"]
+__all__ = ["DEADLINES", "Deadline", "Deadlines", "future_with_timeout", "when_done"]
 
 T = TypeVar("T")
 
@@ -120,6 +120,44 @@ DEADLINES = Deadlines()
 """The process's timer."""
 
 
+def when_done(
+    fut: torch.futures.Future[T],
+    timeout: timedelta,
+    callback: Callable[[T | None, BaseException | None], None],
+) -> None:
+    """Call ``callback(value, None)`` when ``fut`` completes, ``(None, error)``
+    when it fails, or ``(None, TimeoutError)`` once ``timeout`` passed first.
+
+    The callback runs exactly once, on the thread that completed ``fut`` or on
+    the timer thread; it must not raise.
+    """
+    lock = threading.Lock()
+    settled = [False]
+
+    def settle(value: T | None, error: BaseException | None) -> None:
+        with lock:
+            if settled[0]:
+                return
+            settled[0] = True
+        callback(value, error)
+
+    deadline = DEADLINES.schedule(
+        timeout.total_seconds(),
+        lambda: settle(None, TimeoutError(f"future did not complete within {timeout}")),
+    )
+
+    def done(f: torch.futures.Future[T]) -> None:
+        deadline.cancel()
+        try:
+            value = f.value()
+        except Exception as exc:
+            settle(None, exc)
+        else:
+            settle(value, None)
+
+    fut.add_done_callback(done)
+
+
 def future_with_timeout(
     fut: torch.futures.Future[T], timeout: timedelta
 ) -> torch.futures.Future[T]:
@@ -133,32 +171,12 @@ def future_with_timeout(
         A new future; ``fut`` itself is left as it is.
     """
     out: torch.futures.Future[T] = torch.futures.Future()
-    lock = threading.Lock()
-    settled = [False]
 
-    def settle(outcome: Callable[[], Any]) -> bool:
-        with lock:
-            if settled[0]:
-                return False
-            settled[0] = True
-        outcome()
-        return True
-
-    def expire() -> None:
-        error = TimeoutError(f"future did not complete within {timeout}")
-        settle(lambda: out.set_exception(error))  # type: ignore[arg-type]
-
-    deadline = DEADLINES.schedule(timeout.total_seconds(), expire)
-
-    def done(f: torch.futures.Future[T]) -> None:
-        deadline.cancel()
-        try:
-            value = f.value()
-        except Exception as exc:
-            error = exc
-            settle(lambda: out.set_exception(error))  # type: ignore[arg-type]
+    def settle(value: T | None, error: BaseException | None) -> None:
+        if error is not None:
+            out.set_exception(error)  # type: ignore[arg-type]
         else:
-            settle(lambda: out.set_result(value))
+            out.set_result(value)  # type: ignore[arg-type]
 
-    fut.add_done_callback(done)
+    when_done(fut, timeout, settle)
     return out

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ftdist._deadlines import future_with_timeout
+from ftdist._deadlines import future_with_timeout, when_done
 
 if TYPE_CHECKING:
     from ftdist.manager.manager import Manager
@@ -104,21 +104,18 @@ class AllreduceResult(torch.futures.Future[torch.Tensor]):
         if work is None:
             self._complete()
             return
-        # Callbacks attached with add_done_callback (not then) see the
-        # collective's own exception, where then() would rewrap it.
-        bounded = future_with_timeout(work.get_future(), timeout)
 
-        def settle(f: torch.futures.Future[Any]) -> None:
-            try:
-                f.value()
-            except Exception as exc:
-                manager._collective_failed(exc)
-            else:
-                if divisor:
-                    tensor.div_(divisor)
+        # One callback, on the thread that completes the collective (or the
+        # timer's): it sees the collective's own exception, where then()
+        # would rewrap it, and no intermediate future sits in between.
+        def settle(value: Any, error: BaseException | None) -> None:
+            if error is not None:
+                manager._collective_failed(error)
+            elif divisor:
+                tensor.div_(divisor)
             self._complete()
 
-        bounded.add_done_callback(settle)
+        when_done(work.get_future(), timeout, settle)
 
     def _complete(self) -> None:
         self._done.set()
