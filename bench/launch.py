@@ -5,8 +5,9 @@ under a Manager, with a lighthouse in this process (``min_replicas=1``, join
 timeout 100 ms, for both libraries). Once both commit steady, this script
 records ``time.time()`` and SIGKILLs group 1's process; the launcher restarts
 it; the replacement heals from group 0 and commits. Measured, per kill: kill to
-the replacement's first script line (or function entry), to its Manager being
-ready, and to its first commit (event times written by the processes; one
+the replacement's start (its script's first line; for launch_subprocesses the
+function's entry, after torch.distributed, the parallel groups and the Manager
+are up), to its Manager being ready, and to its first commit (event times written by the processes; one
 machine, one clock). Three launchers, the same job:
 
 * ``torchrun + torchft``: one ``python -m torch.distributed.run --standalone
@@ -19,7 +20,7 @@ machine, one clock). Three launchers, the same job:
 
 Nothing is asserted: the script prints per-kill times, the medians, the ratio
 torchrun+torchft / ftdist, and PASS/MISS against the 1 s target. Run
-``python bench/launch.py`` (about 2 minutes on 2 cores; ``--reps`` kills per
+``python bench/launch.py`` (about a minute on 2 cores; ``--reps`` kills per
 launcher, ``--only`` picks launchers).
 """
 
@@ -94,13 +95,15 @@ def _measure(out: str, reps: int, log: list[str]) -> list[dict[str, float]]:
         t_kill = time.time()
         os.kill(victim, signal.SIGKILL)
 
-        def recovered(events: list[dict[str, Any]], victim: int = victim) -> bool:
+        def recovered(events: list[dict[str, Any]], t_kill: float = t_kill) -> bool:
             return any(
-                e["kind"] == "commit" and e["group"] == 1 and e["pid"] != victim for e in events
+                e["kind"] == "commit" and e["group"] == 1 and e["t"] > t_kill for e in events
             )
 
         events = _wait_for(out, f"commit of the replacement (kill {rep + 1})", recovered)
         new = [e for e in events if e["group"] == 1 and e["pid"] != victim and e["t"] > t_kill]
+        if not all(any(e["kind"] == k for e in new) for k in ("start", "ready")):
+            raise RuntimeError(f"kill {rep + 1}: group 1 committed without a new process")
         first = {kind: next(e for e in new if e["kind"] == kind) for kind in ("start", "ready")}
         commit = next(e for e in new if e["kind"] == "commit")
         row = {
@@ -110,7 +113,7 @@ def _measure(out: str, reps: int, log: list[str]) -> list[dict[str, float]]:
         }
         results.append(row)
         log.append(
-            f"  kill {rep + 1}: first line {row['start']:.3f} s, Manager ready "
+            f"  kill {rep + 1}: started {row['start']:.3f} s, Manager ready "
             f"{row['ready']:.3f} s, first commit {row['commit']:.3f} s"
         )
     return results
@@ -152,6 +155,7 @@ def _end(procs: list[subprocess.Popen[bytes]], out: str) -> None:
 
 
 def bench_torchrun(out: str, reps: int, log: list[str]) -> list[dict[str, float]]:
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse logs every quorum tick
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100)
@@ -268,6 +272,8 @@ def main(argv: list[str] | None = None) -> None:
             rows = bench(out, args.reps, log)
         except Exception as exc:
             print(f"{label}: failed: {exc!r} (logs in {out})", flush=True)
+            for line in log:
+                print(line, flush=True)
             continue
         print(f"{label}:", flush=True)
         for line in log:
@@ -275,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
         medians[name] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         shutil.rmtree(out, ignore_errors=True)
     print()
-    print(f"{'launcher':<22} {'first line':>11} {'Manager ready':>14} {'first commit':>13}")
+    print(f"{'launcher':<22} {'started':>11} {'Manager ready':>14} {'first commit':>13}")
     for name, m in medians.items():
         print(
             f"{LAUNCHERS[name][0]:<22} {m['start']:>9.3f} s {m['ready']:>12.3f} s "

@@ -26,10 +26,13 @@ import sys
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftdist._forkserver import exit_with_parent
 from ftdist.launch.config import FaultTolerance, MultiprocessConfig
+
+if TYPE_CHECKING:
+    from ftdist.launch.process import ReplicaInfo
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ class FunctionJob:
     cfg: MultiprocessConfig
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
-    replica: Any = None
+    replica: ReplicaInfo | None = None
     fault_tolerance: FaultTolerance | None = None
 
     def __call__(self) -> None:

@@ -53,6 +53,12 @@ def dist_info() -> DistInfo | None:
     return _info
 
 
+def forget_dist_info() -> None:
+    """Drop what :func:`init_dist` recorded (after the default group is destroyed)."""
+    global _info
+    _info = None
+
+
 @functools.lru_cache
 def default_backend() -> str:
     """``"nccl"`` when CUDA is available, else ``"gloo"``."""
@@ -201,6 +207,7 @@ __all__ = [
     "DistInfo",
     "default_backend",
     "dist_info",
+    "forget_dist_info",
     "get_distributed_backend",
     "init_dist",
     "init_process_group_from_backend",

@@ -44,7 +44,11 @@ logger = logging.getLogger(__name__)
 
 
 def process_context(method: str) -> Any:
-    """The multiprocessing context of a launch method ("forkserver" is ftdist's fork server)."""
+    """The multiprocessing context of a launch method ("forkserver" is ftdist's fork server).
+
+    Raises:
+        ValueError: ``method`` is not a start method of this platform.
+    """
     import multiprocessing as mp
 
     if method == "forkserver":
@@ -87,7 +91,7 @@ def _run_in_process(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> None:
-    from ftdist.launch import dist_env, process
+    from ftdist.launch import process
 
     logger.warning("Multi-process trainer expects more than one device; running single-process")
     cfg.rank, cfg.local_rank = 0, 0
@@ -99,7 +103,6 @@ def _run_in_process(
     finally:
         # Leaves the caller as it found it, so that it can launch again.
         process.teardown()
-        dist_env._info = None
         os.environ.clear()
         os.environ.update(saved)
 

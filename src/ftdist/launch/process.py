@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ftdist.launch.config import FaultTolerance, MultiprocessConfig
-from ftdist.launch.dist_env import init_dist
+from ftdist.launch.dist_env import forget_dist_info, init_dist
 from ftdist.launch.parallel import init_parallelism, reset_parallelism
 from ftdist.manager import Manager
 
@@ -130,6 +130,7 @@ def teardown() -> None:
     reset_parallelism()
     if dist.is_initialized():
         dist.destroy_process_group()
+    forget_dist_info()
 
 
 def _replica_pg(cfg: MultiprocessConfig, ft: FaultTolerance) -> Any:
@@ -186,7 +187,7 @@ def run_replica(
     try:
         func(*args, **kwargs)
     finally:
-        _manager = None
+        _manager, _replica = None, None
         manager.shutdown(wait=False)
         pg.shutdown()
 
