@@ -18,6 +18,9 @@ machine, one clock). Three launchers, the same job:
 * ``launch_subprocesses``: ``ftdist.launch.launch_subprocesses(fault_tolerant=...)``
   running the same training loop as a function.
 
+The baseline needs torchft (``torchft-nightly``, as in the development venv);
+without it that row is reported as failed and no ratio is printed.
+
 Nothing is asserted: the script prints per-kill times, the medians, the ratio
 torchrun+torchft / ftdist, and PASS/MISS against the 1 s target. Run
 ``python bench/launch.py`` (about a minute on 2 cores; ``--reps`` kills per

@@ -176,3 +176,40 @@ def test_run_command_line_takes_torchruns_flags() -> None:
 def test_run_command_line_refuses_bad_flags(argv: list[str], words: str) -> None:
     problem = _check(_run_args(*argv))  # type: ignore[arg-type]
     assert problem is not None and words in problem
+
+
+def _noop() -> None:
+    pass
+
+
+@pytest.mark.parametrize(
+    "cfg,kwargs,error,words",
+    [
+        (
+            {"world_size": 2, "master_port": 1234},
+            {"fault_tolerant": True},
+            ValueError,
+            "master_port",
+        ),
+        ({"world_size": 2}, {"fault_tolerant": True, "rank_offset": 1}, ValueError, "rank_offset"),
+        ({"world_size": 4}, {"rank_offset": 2}, ValueError, "master_port"),
+        ({"world_size": 4, "local_world_size": 3}, {"rank_offset": 2}, ValueError, "does not fit"),
+        ({"world_size": 2}, {"fault_tolerant": "yes"}, TypeError, "fault_tolerant"),
+        ({"world_size": 2}, {"rank_offset": -1}, ValueError, "rank_offset"),
+        ({"world_size": 2, "init_method": "tcp://h"}, {}, ValueError, "port"),
+    ],
+)
+def test_launch_misuse_raises_before_any_process_starts(
+    cfg: dict[str, object], kwargs: dict[str, object], error: type, words: str
+) -> None:
+    from ftdist.launch import launch_subprocesses
+
+    offset = kwargs.pop("rank_offset", 0)
+    with pytest.raises(error, match=words):
+        launch_subprocesses(
+            _noop, MultiprocessConfig(backend="gloo", **cfg), None, offset, **kwargs
+        )  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="cfg"):
+        launch_subprocesses(_noop, {"world_size": 2})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="callable"):
+        launch_subprocesses(3, MultiprocessConfig(world_size=2))  # type: ignore[arg-type]

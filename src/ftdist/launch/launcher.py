@@ -162,6 +162,12 @@ def launch_subprocesses(
         raise TypeError(f"fault_tolerant must be a bool or FaultTolerance, got {fault_tolerant!r}")
     explicit_local = not is_missing(cfg, "local_world_size")
     auto_port = is_missing(cfg, "master_port")
+    if ft is not None and (rank_offset or not auto_port or cfg.init_method != "env://"):
+        raise ValueError(
+            "fault-tolerant launches start the whole world (rank_offset=0) and bind a store "
+            "per replica group on a free port: leave master_port unset and init_method at "
+            "'env://'"
+        )
     if auto_port:
         cfg.master_port = 0  # bound by the store below: never a race
     MultiprocessConfig.resolve(cfg)
@@ -186,12 +192,10 @@ def launch_subprocesses(
     else:
         from ftdist.launch.fault_tolerant import launch_fault_tolerant
 
-        if rank_offset or count != cfg.world_size:
-            raise ValueError("fault-tolerant launches start the whole world: use rank_offset=0")
-        if not auto_port or cfg.init_method != "env://":
+        if count != cfg.world_size:
             raise ValueError(
-                "fault-tolerant launches bind a store per replica group on a free port: "
-                "leave master_port unset and init_method at 'env://'"
+                "fault-tolerant launches start the whole world: leave local_world_size unset "
+                f"or set it to world_size ({cfg.world_size})"
             )
         launch_fault_tolerant(
             func, cfg, setup, args, kwargs, ft, process_context(cfg.launch_method)
