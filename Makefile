@@ -70,6 +70,7 @@ bench: setup
 	$(PY) bench/lighthouse.py
 	$(PY) bench/recovery.py
 	$(PY) bench/coordinator.py
+	$(PY) bench/launch.py
 
 # Regenerates the committed protobuf modules from src/ftdist/_rpc/proto.
 proto: setup

@@ -105,6 +105,42 @@ def with_traceback(e: BaseException) -> BaseException:
     return e
 
 
+class ProcessFailedError(FtdistError, RuntimeError):
+    """A launched process raised, exited non-zero or died, and the launch stopped.
+
+    Raised in the launching process by :func:`ftdist.launch.launch_subprocesses`
+    (and ``ftdist run``) after the other processes were stopped. A
+    ``RuntimeError``, as ml-starter's launcher raises.
+
+    Attributes:
+        rank: the global rank of the process that failed.
+        exitcode: its exit code; negative for the signal that killed it.
+        child_traceback: the traceback the process reported, or None if it
+            died without reporting one (a signal, ``os._exit``).
+        replica_group: its replica group (0 without fault tolerance).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        rank: int,
+        exitcode: int,
+        child_traceback: str | None,
+        replica_group: int = 0,
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+        self.child_traceback = child_traceback
+        self.replica_group = replica_group
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (
+            type(self),
+            (str(self), self.rank, self.exitcode, self.child_traceback, self.replica_group),
+        )
+
+
 __all__ = [
     "BackendProcessError",
     "CheckpointError",
@@ -115,6 +151,7 @@ __all__ = [
     "ExceptionWithTraceback",
     "FtdistError",
     "NotReconfigurableError",
+    "ProcessFailedError",
     "ProcessGroupAbortedError",
     "RecoveryError",
     "StateDivergenceError",

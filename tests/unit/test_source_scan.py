@@ -51,13 +51,13 @@ ALLOWED: dict[tuple[str, str], str] = {
     ): "the result pipe between the rank launcher and the ranks it forks (tests, "
     "benchmarks, the demo): local processes of one user",
     (
-        "coordinator/group.py",
+        "coordinator/group_messages.py",
         "pickle.loads",
     ): "vLLM's GroupCoordinator contract: send_object/recv_object carry arbitrary Python "
     "objects between the ranks of one job over the job's own process group, as "
     "torch.distributed's *_object collectives do (they pickle too)",
     (
-        "coordinator/message_queue.py",
+        "coordinator/mq_core.py",
         "pickle.loads",
     ): "vLLM's MessageQueue contract: it broadcasts Python objects from the job's writer rank "
     "to its readers; local readers share memory only this user can open, remote ones "

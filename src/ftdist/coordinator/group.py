@@ -23,29 +23,31 @@ Invariants:
   ``reduce_scatterv``, ``send``, ``recv``, the ``_*_out_place`` methods)
   raise ``ValueError`` without one, as in vLLM.
 - Bad arguments raise ``TypeError``/``ValueError`` before any communication.
+
+This module has the construction, the tensor collectives and the lifetime;
+objects, point-to-point and tensor dictionaries are in ``group_messages.py``,
+membership and shared checks in ``group_core.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import pickle
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 from ftdist.coordinator import failures, ops
-from ftdist.coordinator import tensor_dict as tensor_dict_ops
 from ftdist.coordinator.communicator import (
     DeviceCommunicator,
-    check_group_rank,
     check_tensor,
     normalize_dim,
 )
+from ftdist.coordinator.group_core import MQ_CHUNK_BYTES, MQ_CHUNKS, reports_failures
+from ftdist.coordinator.group_messages import GroupMessaging
 from ftdist.coordinator.groups import (
     FtBackend,
     check_group_ranks,
@@ -55,12 +57,7 @@ from ftdist.coordinator.groups import (
     own_group,
     require_torch_distributed,
 )
-from ftdist.coordinator.message_queue import Handle, MessageQueue
-from ftdist.errors import CommunicationError
-
-# The coordinator's broadcaster: 4 MiB chunks, 6 of them (vLLM's choice).
-MQ_CHUNK_BYTES = 1 << 22
-MQ_CHUNKS = 6
+from ftdist.coordinator.message_queue import MessageQueue
 
 
 @dataclass
@@ -70,32 +67,13 @@ class GraphCaptureContext:
     stream: Any
 
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _reports_failures(fn: F) -> F:
-    """Post a communication failure of this method as failure news (ftdist groups)."""
-
-    @functools.wraps(fn)
-    def wrapper(self: GroupCoordinator, *args: Any, **kwargs: Any) -> Any:
-        if self._watch is None or torch.compiler.is_compiling():
-            return fn(self, *args, **kwargs)
-        try:
-            return fn(self, *args, **kwargs)
-        except CommunicationError as exc:
-            self._watch.report(f"{self.unique_name} (rank {self.rank}) {fn.__name__}: {exc}")
-            raise
-
-    return wrapper  # type: ignore[return-value]
-
-
 def _device_for(backend: str, local_rank: int) -> torch.device:
     if "nccl" in backend and torch.cuda.is_available():
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 
-class GroupCoordinator:
+class GroupCoordinator(GroupMessaging):
     """The communication of one group of processes, on CPU and device.
 
     Args:
@@ -152,16 +130,15 @@ class GroupCoordinator:
         # eager calls skip the dispatcher.
         self.use_custom_op_call = True
         self.use_cpu_custom_send_recv = False
-        self.device_communicator: DeviceCommunicator | None = None
-        self.mq_broadcaster: MessageQueue | None = None
-        self._watch: failures.FailureWatch | None = None
-        self._ft: FtBackend | None
+        self.device_communicator = None
+        self.mq_broadcaster = None
+        self._watch = None
         if isinstance(torch_distributed_backend, FtBackend):
             spec = torch_distributed_backend
             self._ft = spec
             self.rank = spec.rank
             self.backend = spec.device
-            self.timeout: timedelta | None = spec.timeout
+            self.timeout = spec.timeout
             ranks = own_group(group_ranks, spec.rank)
             self.device_group, self.cpu_group = new_ft_groups(spec)
             try:
@@ -199,12 +176,6 @@ class GroupCoordinator:
         self._build_communication()
         ops.register_group(self)
 
-    # -- membership -------------------------------------------------------------
-    def _set_members(self, ranks: list[int]) -> None:
-        self.ranks = list(ranks)
-        self.world_size = len(ranks)
-        self.rank_in_group = ranks.index(self.rank)
-
     def _build_communication(self) -> None:
         if self.use_device_communicator and self.world_size > 1:
             self.device_communicator = DeviceCommunicator(
@@ -220,67 +191,8 @@ class GroupCoordinator:
                 self.cpu_group, MQ_CHUNK_BYTES, MQ_CHUNKS, timeout=self._timeout_s() or 60.0
             )
 
-    def _timeout_s(self) -> float | None:
-        return None if self.timeout is None else self.timeout.total_seconds()
-
-    @property
-    def first_rank(self) -> int:
-        """The global rank of the group's first member."""
-        return self.ranks[0]
-
-    @property
-    def last_rank(self) -> int:
-        """The global rank of the group's last member."""
-        return self.ranks[-1]
-
-    @property
-    def is_first_rank(self) -> bool:
-        """True if this process is the group's first member."""
-        return self.rank == self.first_rank
-
-    @property
-    def is_last_rank(self) -> bool:
-        """True if this process is the group's last member."""
-        return self.rank == self.last_rank
-
-    @property
-    def next_rank(self) -> int:
-        """The global rank of the next member (wrapping around)."""
-        return self.ranks[(self.rank_in_group + 1) % self.world_size]
-
-    @property
-    def prev_rank(self) -> int:
-        """The global rank of the previous member (wrapping around)."""
-        return self.ranks[(self.rank_in_group - 1) % self.world_size]
-
-    @property
-    def is_reconfigurable(self) -> bool:
-        """True when built over ftdist groups, so :meth:`reconfigure` works."""
-        return self._ft is not None
-
-    def __repr__(self) -> str:
-        return (
-            f"GroupCoordinator({self.unique_name!r}, ranks={self.ranks}, "
-            f"rank_in_group={self.rank_in_group}, backend={self.backend!r})"
-        )
-
-    def _communicator(self) -> DeviceCommunicator:
-        if self.destroyed:
-            raise RuntimeError(f"group {self.unique_name} is destroyed")
-        if self.device_communicator is None:
-            why = (
-                "the group has one rank"
-                if self.world_size == 1
-                else "it was built with use_device_communicator=False"
-            )
-            raise ValueError(f"No device communicator found for group {self.unique_name}: {why}")
-        return self.device_communicator
-
-    def _src(self, src: Any, what: str = "src") -> int:
-        return check_group_rank(src, self.world_size, what)
-
     # -- tensor collectives ---------------------------------------------------------
-    @_reports_failures
+    @reports_failures
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
         """The sum of ``input_`` over the group; use the return value.
 
@@ -298,10 +210,12 @@ class GroupCoordinator:
         if self.world_size == 1:
             return input_
         if torch.compiler.is_compiling():
-            return torch.ops.ftdist.all_reduce(input_, group_name=self.unique_name)
+            return cast(
+                torch.Tensor, torch.ops.ftdist.all_reduce(input_, group_name=self.unique_name)
+            )
         return self._communicator().all_reduce(input_)
 
-    @_reports_failures
+    @reports_failures
     def _all_reduce_out_place(self, input_: torch.Tensor) -> torch.Tensor:
         """The sum over the group as a new tensor; ``input_`` is left alone (what the op runs).
 
@@ -310,7 +224,7 @@ class GroupCoordinator:
         """
         return self._communicator().all_reduce(input_.clone())
 
-    @_reports_failures
+    @reports_failures
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's ``input_`` concatenated along ``dim``, in rank order.
 
@@ -323,12 +237,15 @@ class GroupCoordinator:
             return input_
         normalize_dim(input_, dim)
         if torch.compiler.is_compiling():
-            return torch.ops.ftdist.all_gather(
-                input_, dim, self.world_size, group_name=self.unique_name
+            return cast(
+                torch.Tensor,
+                torch.ops.ftdist.all_gather(
+                    input_, dim, self.world_size, group_name=self.unique_name
+                ),
             )
         return self._all_gather_out_place(input_, dim)
 
-    @_reports_failures
+    @reports_failures
     def _all_gather_out_place(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
         """All-gather through the device communicator (what the custom op runs).
 
@@ -337,7 +254,7 @@ class GroupCoordinator:
         """
         return self._communicator().all_gather(input_, dim)
 
-    @_reports_failures
+    @reports_failures
     def all_gatherv(
         self,
         input_: torch.Tensor | list[torch.Tensor],
@@ -359,7 +276,7 @@ class GroupCoordinator:
             check_tensor(input_)
         return dc.all_gatherv(input_, dim, sizes)
 
-    @_reports_failures
+    @reports_failures
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Sum over the group and keep this rank's equal chunk along ``dim``.
 
@@ -378,12 +295,15 @@ class GroupCoordinator:
                 f"divisible by the world size {self.world_size}"
             )
         if torch.compiler.is_compiling():
-            return torch.ops.ftdist.reduce_scatter(
-                input_, dim, self.world_size, group_name=self.unique_name
+            return cast(
+                torch.Tensor,
+                torch.ops.ftdist.reduce_scatter(
+                    input_, dim, self.world_size, group_name=self.unique_name
+                ),
             )
         return self._reduce_scatter_out_place(input_, dim)
 
-    @_reports_failures
+    @reports_failures
     def _reduce_scatter_out_place(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
         """Reduce-scatter through the device communicator (what the custom op runs).
 
@@ -392,7 +312,7 @@ class GroupCoordinator:
         """
         return self._communicator().reduce_scatter(input_, dim)
 
-    @_reports_failures
+    @reports_failures
     def reduce_scatterv(
         self, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None
     ) -> torch.Tensor:
@@ -405,7 +325,7 @@ class GroupCoordinator:
         dc = self._communicator()
         return dc.reduce_scatterv(check_tensor(input_), dim, sizes)
 
-    @_reports_failures
+    @reports_failures
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """Every rank's ``input_`` concatenated along ``dim`` on ``dst``; None on the others.
 
@@ -422,7 +342,7 @@ class GroupCoordinator:
         normalize_dim(input_, dim)
         return self._communicator().gather(input_, dst, dim)
 
-    @_reports_failures
+    @reports_failures
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Broadcast ``input_`` in place from ``src`` (a rank in the group); returns it.
 
@@ -436,263 +356,6 @@ class GroupCoordinator:
             return input_
         dist.broadcast(input_, group=self.device_group, group_src=src)
         return input_
-
-    # -- objects -------------------------------------------------------------------
-    @_reports_failures
-    def broadcast_object(self, obj: Any | None = None, src: int = 0) -> Any:
-        """Broadcast a picklable object from ``src``; every rank returns it.
-
-        With a message-queue broadcaster and ``src == 0`` it goes through
-        shared memory; otherwise over the CPU group (vLLM refuses other
-        sources when it has a broadcaster; here they take the CPU group).
-
-        Raises:
-            ValueError: invalid ``src``.
-            CommunicationError: a peer died (ftdist groups and the queue).
-        """
-        self._src(src)
-        if self.world_size == 1:
-            return obj
-        if self.mq_broadcaster is not None and src == 0:
-            timeout = self._timeout_s()
-            if self.rank_in_group == 0:
-                self.mq_broadcaster.enqueue(obj, timeout=timeout)
-                return obj
-            return self.mq_broadcaster.dequeue(timeout=timeout)
-        objs = [obj if self.rank_in_group == src else None]
-        dist.broadcast_object_list(objs, group=self.cpu_group, group_src=src)
-        return objs[0]
-
-    @_reports_failures
-    def broadcast_object_list(
-        self, obj_list: list[Any], src: int = 0, group: Any = None
-    ) -> list[Any]:
-        """Fill ``obj_list`` in place with ``src``'s list (same length everywhere); returns it.
-
-        ``group`` is ignored, as in vLLM. The objects travel over the CPU
-        group (vLLM uses the device group, which with NCCL stages them on
-        the GPU).
-
-        Raises:
-            TypeError: ``obj_list`` is not a list.
-            ValueError: invalid ``src``.
-        """
-        if not isinstance(obj_list, list):
-            raise TypeError(f"obj_list must be a list, got {type(obj_list).__name__}")
-        self._src(src)
-        if self.world_size == 1:
-            return obj_list
-        dist.broadcast_object_list(obj_list, group=self.cpu_group, group_src=src)
-        return obj_list
-
-    def _check_peer(self, peer: Any, what: str) -> int:
-        self._src(peer, what)
-        if peer == self.rank_in_group:
-            raise ValueError(
-                f"Invalid {what} rank ({peer}): {what} is the same as the current rank"
-            )
-        return int(peer)
-
-    @_reports_failures
-    def send_object(self, obj: Any, dst: int) -> None:
-        """Send a picklable object to ``dst`` (a rank in the group) over the CPU group.
-
-        Raises:
-            ValueError: ``dst`` is invalid or this rank.
-        """
-        self._check_peer(dst, "dst")
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        size = torch.tensor([payload.numel()], dtype=torch.long)
-        dist.send(size, group=self.cpu_group, group_dst=dst)
-        dist.send(payload, group=self.cpu_group, group_dst=dst)
-
-    @_reports_failures
-    def recv_object(self, src: int) -> Any:
-        """Receive an object sent with :meth:`send_object` by ``src``.
-
-        Raises:
-            ValueError: ``src`` is invalid or this rank.
-            RuntimeError: the size and the payload came from different ranks.
-        """
-        self._check_peer(src, "src")
-        size = torch.empty(1, dtype=torch.long)
-        sender = dist.recv(size, group=self.cpu_group, group_src=src)
-        payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        sender2 = dist.recv(payload, group=self.cpu_group, group_src=src)
-        if sender != sender2:
-            raise RuntimeError("Received object sender rank does not match the size sender rank.")
-        return pickle.loads(payload.numpy().tobytes())
-
-    # -- point to point tensors ---------------------------------------------------------
-    @_reports_failures
-    def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
-        """Send ``tensor`` to ``dst`` (default: the next rank in the group), blocking.
-
-        Raises:
-            ValueError: no device communicator, or ``dst`` invalid or this rank.
-            TypeError: ``tensor`` is not a tensor.
-        """
-        dc = self._communicator()
-        dc.send(check_tensor(tensor, "tensor"), dst)
-
-    @_reports_failures
-    def recv(self, size: Any, dtype: torch.dtype, src: int | None = None) -> torch.Tensor:
-        """Receive a tensor of ``size`` and ``dtype`` from ``src`` (default: the previous rank).
-
-        Raises:
-            ValueError: no device communicator, or ``src`` invalid or this rank.
-        """
-        return self._communicator().recv(size, dtype, src)
-
-    # -- tensor dictionaries (the transport is in tensor_dict.py) ---------------------------
-    @_reports_failures
-    def broadcast_tensor_dict(
-        self,
-        tensor_dict: dict[Any, Any] | None = None,
-        src: int = 0,
-        group: Any = None,
-        metadata_group: Any = None,
-    ) -> dict[Any, Any] | None:
-        """Broadcast a dict of tensors and plain values from ``src``; every rank returns it.
-
-        The metadata goes as one object; then every non-empty tensor is
-        broadcast raw, all at once: CPU tensors over the CPU group, device
-        tensors over the device group. When the metadata goes through the
-        message queue (``src == 0`` on a coordinator with one), CPU tensors
-        ride inside it instead, as raw bytes through shared memory.
-        ``group`` and ``metadata_group`` are ignored, as in vLLM.
-
-        Raises:
-            ValueError: invalid ``src``.
-            TypeError: ``src`` passes something other than a dict.
-        """
-        self._src(src)
-        if self.world_size == 1 or (self._ft is None and not dist.is_initialized()):
-            return tensor_dict
-        return tensor_dict_ops.broadcast(self, tensor_dict, src)
-
-    @_reports_failures
-    def send_tensor_dict(
-        self,
-        tensor_dict: dict[Any, Any],
-        dst: int | None = None,
-        all_gather_group: GroupCoordinator | None = None,
-        all_gather_tensors: Mapping[Any, bool] | None = None,
-    ) -> dict[Any, Any] | None:
-        """Send a dict of tensors and plain values to ``dst`` (default: the next rank).
-
-        With ``all_gather_group`` (typically the tensor-parallel group), each
-        tensor whose element count divides by that group's size is sent as
-        this rank's ``1/size`` slice only, and the receiver rebuilds it with
-        an all-gather; ``all_gather_tensors={key: False}`` turns that off for
-        tensors that differ across the group. Both sides must pass the same.
-
-        Returns:
-            None; a group of one returns ``tensor_dict``.
-
-        Raises:
-            TypeError: ``tensor_dict`` is not a dict, or ``all_gather_group``
-                not a coordinator.
-            ValueError: ``dst`` is invalid or this rank.
-        """
-        if self.world_size == 1 or (self._ft is None and not dist.is_initialized()):
-            return tensor_dict
-        if dst is None:
-            dst = (self.rank_in_group + 1) % self.world_size
-        self._check_peer(dst, "dst")
-        tensor_dict_ops.send(
-            self, tensor_dict, dst, self._all_gather_args(all_gather_group), all_gather_tensors
-        )
-        return None
-
-    @_reports_failures
-    def recv_tensor_dict(
-        self,
-        src: int | None = None,
-        all_gather_group: GroupCoordinator | None = None,
-        all_gather_tensors: Mapping[Any, bool] | None = None,
-    ) -> dict[Any, Any] | None:
-        """Receive a dict sent with :meth:`send_tensor_dict` by ``src`` (default: the previous rank).
-
-        Returns:
-            The dict, keys in the sender's order; None for a group of one.
-
-        Raises:
-            ValueError: ``src`` is invalid or this rank.
-            TypeError: ``all_gather_group`` is not a coordinator.
-        """
-        if self.world_size == 1 or (self._ft is None and not dist.is_initialized()):
-            return None
-        if src is None:
-            src = (self.rank_in_group - 1) % self.world_size
-        self._check_peer(src, "src")
-        self._all_gather_args(all_gather_group)
-        return tensor_dict_ops.recv(self, src, all_gather_group, all_gather_tensors)
-
-    def _all_gather_args(self, all_gather_group: Any) -> tuple[int, int] | None:
-        if all_gather_group is None:
-            return None
-        if not isinstance(all_gather_group, GroupCoordinator):
-            raise TypeError(
-                "all_gather_group must be a GroupCoordinator (e.g. get_tp_group()), "
-                f"got {type(all_gather_group).__name__}"
-            )
-        return all_gather_group.world_size, all_gather_group.rank_in_group
-
-    # -- synchronisation and broadcasters -------------------------------------------------
-    @_reports_failures
-    def barrier(self) -> None:
-        """Wait until every member arrives (on the CPU group, never the device group)."""
-        dist.barrier(group=self.cpu_group)
-
-    def create_mq_broadcaster(
-        self,
-        writer_rank: int = 0,
-        external_writer_handle: Handle | None = None,
-        blocking: bool = True,
-    ) -> MessageQueue:
-        """A new :class:`MessageQueue` over the CPU group, written by ``writer_rank`` (collective).
-
-        Raises:
-            ValueError: ``writer_rank`` is not a rank in the group.
-            CommunicationError: the handshake failed or timed out.
-        """
-        self._src(writer_rank, "writer")
-        return MessageQueue.create_from_process_group(
-            self.cpu_group,
-            MQ_CHUNK_BYTES,
-            MQ_CHUNKS,
-            writer_rank=writer_rank,
-            external_writer_handle=external_writer_handle,
-            blocking=blocking,
-            timeout=self._timeout_s() or 60.0,
-        )
-
-    def create_single_reader_mq_broadcasters(
-        self, reader_rank_in_group: int = 0, blocking: bool = False
-    ) -> tuple[MessageQueue | None, list[Handle]]:
-        """Every rank writes its own queue read by ``reader_rank_in_group`` (collective).
-
-        Returns:
-            ``(queue, handles)``: ``handles`` (every rank's, on the reader
-            only) is what the reader joins with
-            ``MessageQueue.create_from_handle(h, reader_rank_in_group)``.
-            A group of one returns ``(None, [])``.
-
-        Raises:
-            ValueError: ``reader_rank_in_group`` is not a rank in the group.
-        """
-        self._src(reader_rank_in_group, "reader")
-        if self.world_size == 1:
-            return None, []
-        return MessageQueue.create_from_process_group_single_reader(
-            self.cpu_group,
-            MQ_CHUNK_BYTES,
-            MQ_CHUNKS,
-            reader_rank=reader_rank_in_group,
-            blocking=blocking,
-            timeout=self._timeout_s() or 60.0,
-        )
 
     @contextlib.contextmanager
     def graph_capture(

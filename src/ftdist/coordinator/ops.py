@@ -25,13 +25,15 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import defaultdict
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch.library import custom_op
 
 
-class _Named(Protocol):
+class RegisteredGroup(Protocol):
+    """What the ops need of a coordinator: its name, liveness and out-of-place collectives."""
+
     unique_name: str
     destroyed: bool
 
@@ -42,7 +44,7 @@ class _Named(Protocol):
 
 _lock = threading.Lock()
 _name_counters: defaultdict[str, int] = defaultdict(int)
-_groups: dict[str, weakref.ReferenceType[Any]] = {}
+_groups: dict[str, weakref.ReferenceType[RegisteredGroup]] = {}
 
 
 def get_unique_name(name: str) -> str:
@@ -56,13 +58,13 @@ def get_unique_name(name: str) -> str:
     return f"{name}:{n}"
 
 
-def register_group(group: Any) -> None:
+def register_group(group: RegisteredGroup) -> None:
     """Make ``group`` findable by its ``unique_name`` (a weak reference)."""
     with _lock:
         _groups[group.unique_name] = weakref.ref(group)
 
 
-def lookup_group(group_name: str) -> Any:
+def lookup_group(group_name: str) -> RegisteredGroup:
     """The live coordinator registered as ``group_name``.
 
     Raises:
@@ -133,6 +135,7 @@ def _reduce_scatter_fake(
 
 
 __all__ = [
+    "RegisteredGroup",
     "all_gather",
     "all_reduce",
     "get_unique_name",

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from ftdist._forkserver import exit_with_parent as _exit_with
 from ftdist._forkserver import forkserver_context as _context
 
 
@@ -123,33 +124,6 @@ class RankFailure(AssertionError):
             else:
                 parts.append(f"--- rank {o.rank} exited with code {o.exitcode} without a result")
         super().__init__("\n".join(parts))
-
-
-def _exit_with(parent_pid: int) -> None:
-    """Exit this rank as soon as the process that started it is gone.
-
-    A rank's OS parent is the fork server, and the fork server stays up as
-    long as any rank does (each holds its "alive" pipe), so neither notices a
-    harness that was SIGKILLed. A pidfd on the harness process is exact (no
-    pid reuse) and costs one idle thread.
-    """
-    import select
-    import threading
-
-    try:
-        fd = os.pidfd_open(parent_pid)
-    except ProcessLookupError:
-        os._exit(3)  # the harness is already gone
-    except (AttributeError, OSError):
-        return  # no pidfd (old kernel): the harness's own cleanup still applies
-
-    def watch() -> None:
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        poller.poll()
-        os._exit(3)
-
-    threading.Thread(target=watch, name="ftdist-rank-parent-watch", daemon=True).start()
 
 
 def _child_main(
