@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -104,6 +106,16 @@ class StoreClients:
             self._clients.pop((addr.host, addr.port), None)
 
 
+def _store_classes() -> tuple[Any, Any]:
+    # Looked up on the package at call time, so that torchft-style tests can
+    # patch ftdist.process_group.TCPStore / PrefixStore.
+    package = sys.modules.get("ftdist.process_group")
+    return (
+        getattr(package, "TCPStore", dist.TCPStore),
+        getattr(package, "PrefixStore", dist.PrefixStore),
+    )
+
+
 def create_store_client(store_addr: str, timeout: timedelta = timedelta(seconds=60)) -> dist.Store:
     """Connect to the TCPStore at ``host:port/prefix`` and return a ``PrefixStore``.
 
@@ -113,13 +125,20 @@ def create_store_client(store_addr: str, timeout: timedelta = timedelta(seconds=
 
     Raises:
         ValueError: malformed address (before any connection is tried).
+        TypeError: ``timeout`` is not a timedelta.
         RuntimeError: the store could not be reached within ``timeout``
             (``torch.distributed.DistStoreError``).
     """
     addr = parse_store_addr(store_addr)
     if not isinstance(timeout, timedelta):
         raise TypeError(f"timeout must be a datetime.timedelta, got {timeout!r}")
-    tcp = dist.TCPStore(
-        addr.host, addr.port, is_master=False, wait_for_workers=False, timeout=timeout
+    tcp_store, prefix_store = _store_classes()
+    tcp = tcp_store(
+        host_name=addr.host,
+        port=addr.port,
+        is_master=False,
+        wait_for_workers=False,
+        timeout=timeout,
     )
-    return dist.PrefixStore(addr.prefix, tcp)
+    store: dist.Store = prefix_store(addr.prefix, tcp)
+    return store
