@@ -41,3 +41,45 @@ def test_shards_are_disjoint_and_cover_the_data() -> None:
 def test_bad_ranks_are_rejected(kwargs: dict, needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
         DistributedSampler(list(range(10)), **kwargs)
+
+
+# The keyword spellings of torchft's three generations, and the positional order.
+SPELLINGS = [
+    {"replica_group": 1, "num_replica_groups": 2, "rank": 3, "num_replicas": 4},
+    {"replica_group_id": 1, "num_replica_groups": 2, "group_rank": 3, "num_replicas": 4},
+    {"replica_rank": 1, "num_replica_groups": 2, "group_rank": 3, "num_replicas": 4},
+    {"replica_rank": 1, "num_replica_groups": 2, "rank": 3, "num_replicas": 4},
+]
+
+
+@pytest.mark.parametrize("kwargs", SPELLINGS, ids=lambda k: "+".join(sorted(k)))
+def test_every_generations_keywords_give_the_same_shard(kwargs: dict) -> None:
+    reference = list(DistributedSampler(list(range(1000)), 1, 2, 3, 4))
+    sampler = DistributedSampler(list(range(1000)), **kwargs)
+    assert (sampler.global_rank, sampler.global_world_size) == (7, 8)
+    assert list(sampler) == reference and reference[0] == 500
+
+
+def test_torch_sampler_options_pass_through_every_spelling() -> None:
+    a = DistributedSampler(list(range(10)), replica_group=0, num_replica_groups=3, shuffle=False)
+    assert list(a) == [0, 3, 6, 9]  # padded from the start to 12 samples
+    b = DistributedSampler(
+        list(range(10)), replica_group_id=2, num_replica_groups=3, shuffle=False, drop_last=True
+    )
+    assert list(b) == [2, 5, 8]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"replica_rank": 1, "replica_group": 1}, "replica_rank and replica_group"),
+        ({"replica_rank": 0, "replica_group_id": 1}, "replica_rank and replica_group_id"),
+        ({"replica_rank": 0, "group_rank": 0, "rank": 1}, "group_rank and rank"),
+        ({"group_rank": 0}, "needs the replica group's index"),
+    ],
+)
+def test_conflicting_or_missing_spellings_are_type_errors(kwargs: dict, needle: str) -> None:
+    with pytest.raises(TypeError, match=needle):
+        DistributedSampler(list(range(10)), num_replica_groups=2, **kwargs)
+    with pytest.raises(TypeError, match="needs num_replica_groups"):
+        DistributedSampler(list(range(10)), replica_rank=0)

@@ -23,7 +23,7 @@ __all__ = ["LighthouseEvent", "Quorum", "QuorumMember", "Timestamp"]
 class Timestamp:
     """Wall-clock time as protobuf carries it.
 
-    Attributes:
+    Args:
         seconds: whole seconds since the Unix epoch.
         nanos: nanoseconds past ``seconds``.
     """
@@ -48,7 +48,7 @@ class Timestamp:
 class QuorumMember:
     """One replica group in a quorum.
 
-    Attributes:
+    Args:
         replica_id: the replica group's stable id.
         address: its ManagerServer address.
         store_address: its TCPStore address.
@@ -106,7 +106,7 @@ class QuorumMember:
 class Quorum:
     """The replica groups that train together from now on.
 
-    Attributes:
+    Args:
         quorum_id: grows when the membership changes or after a failed commit.
         participants: the members, sorted by ``replica_id``.
         created: when the lighthouse formed it.

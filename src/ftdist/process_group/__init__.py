@@ -7,46 +7,73 @@ They extend ``torch.distributed.ProcessGroup`` and work wherever a standard
 group does; since their size can change, do not cache ``rank()``/``size()``
 across a :meth:`~ProcessGroup.configure`.
 
-- :class:`ProcessGroupGloo`, :class:`ProcessGroupNCCL`: the backend runs in
-  this process and is rebuilt on each configure.
-- :class:`ProcessGroupBabyGloo`, :class:`ProcessGroupBabyNCCL`: the backend
-  runs in a child process, so a hung or crashed backend is killed without
-  taking the trainer down.
+- :class:`ProcessGroupGloo`, :class:`ProcessGroupNCCL`,
+  :class:`ProcessGroupXCCL`: the backend runs in this process and is rebuilt
+  on each configure.
+- :class:`ProcessGroupBabyGloo`, :class:`ProcessGroupBabyNCCL`,
+  :class:`ProcessGroupBabyXCCL`: the backend runs in a child process, so a
+  hung or crashed backend is killed without taking the trainer down.
 - :class:`ErrorSwallowingProcessGroupWrapper`, :class:`ManagedProcessGroup`,
-  :class:`ProcessGroupDummy`: wrappers for fault-tolerant training code.
+  :class:`ProcessGroupDummy`, :class:`FakeProcessGroupWrapper`: wrappers for
+  fault-tolerant training code and its tests.
+
+Every group is reconfigured either with ``configure(store_addr, rank,
+world_size)`` (torchft's early-2025 API) or with today's
+``reconfigure(ReconfigureOptions)`` / :func:`reconfigure_with_store`.
 """
 
 from __future__ import annotations
+
+from torch.distributed import PrefixStore, TCPStore
 
 from ftdist.process_group._store import create_store_client, parse_store_addr
 from ftdist.process_group.baby import (
     ProcessGroupBaby,
     ProcessGroupBabyGloo,
     ProcessGroupBabyNCCL,
+    ProcessGroupBabyXCCL,
 )
 from ftdist.process_group.base import ProcessGroup
 from ftdist.process_group.device_mesh import extend_device_mesh
 from ftdist.process_group.dummy import ProcessGroupDummy
-from ftdist.process_group.error_swallowing import ErrorSwallowingProcessGroupWrapper
+from ftdist.process_group.error_swallowing import (
+    ErrorSwallowingProcessGroupWrapper,
+    _ErrorSwallowingWork,
+)
+from ftdist.process_group.fake import FakeProcessGroupWrapper
 from ftdist.process_group.gloo import ProcessGroupGloo
 from ftdist.process_group.managed import ManagedProcessGroup
 from ftdist.process_group.nccl import ProcessGroupNCCL
+from ftdist.process_group.reconfigure import ReconfigureOptions, reconfigure_with_store
 from ftdist.process_group.work import CompletedWork
 from ftdist.process_group.wrapper import ProcessGroupWrapper
+from ftdist.process_group.xccl import ProcessGroupXCCL
+
+# torchft's name for CompletedWork (also ftdist.work._DummyWork: the same class).
+_DummyWork = CompletedWork
 
 __all__ = [
     "CompletedWork",
     "ErrorSwallowingProcessGroupWrapper",
+    "FakeProcessGroupWrapper",
     "ManagedProcessGroup",
+    "PrefixStore",
     "ProcessGroup",
     "ProcessGroupBaby",
     "ProcessGroupBabyGloo",
     "ProcessGroupBabyNCCL",
+    "ProcessGroupBabyXCCL",
     "ProcessGroupDummy",
     "ProcessGroupGloo",
     "ProcessGroupNCCL",
     "ProcessGroupWrapper",
+    "ProcessGroupXCCL",
+    "ReconfigureOptions",
+    "TCPStore",
+    "_DummyWork",
+    "_ErrorSwallowingWork",
     "create_store_client",
     "extend_device_mesh",
     "parse_store_addr",
+    "reconfigure_with_store",
 ]

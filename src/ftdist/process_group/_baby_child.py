@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import signal
 import threading
 from datetime import timedelta
@@ -23,14 +24,16 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ftdist.process_group._shm import Importer
 from ftdist.process_group._store import create_store_client
 from ftdist.process_group.gloo import create_gloo_backend
 from ftdist.process_group.nccl import create_nccl_backend
 from ftdist.process_group.work import on_complete
+from ftdist.process_group.xccl import create_xccl_backend
 
-_BACKENDS = {"gloo": create_gloo_backend, "nccl": create_nccl_backend}
+_BACKENDS = {"gloo": create_gloo_backend, "nccl": create_nccl_backend, "xccl": create_xccl_backend}
 
 
 def child_main(conn: Connection) -> None:
@@ -62,11 +65,16 @@ def _configure(
 ) -> Any:
     try:
         if device is not None:
-            torch.cuda.set_device(device)
+            (torch.xpu if kind == "xccl" else torch.cuda).set_device(device)
         store = create_store_client(store_addr, timeout=timeout)
         backend = _BACKENDS[kind](store, rank, world_size, timeout)
     except Exception as exc:
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        # Whether peers simply did not arrive in time: the parent then
+        # raises a TimeoutError (as torchft does), not a plain failure.
+        timed_out = isinstance(exc, (TimeoutError, dist.DistStoreError)) or bool(
+            re.search(r"time[d ]*out", str(exc), re.IGNORECASE)
+        )
+        conn.send(("error", f"{type(exc).__name__}: {exc}", timed_out))
         return None
     conn.send(("ready", os.getpid()))
     return backend
@@ -78,6 +86,7 @@ def _on_done(
     name: str,
     work: Any,
     cuda: bool,
+    xpu: bool,
     _value: Any,
     error: BaseException | None,
 ) -> None:
@@ -88,6 +97,10 @@ def _on_done(
         extra: Any = None
         if name == "recv_anysource":
             extra = work.source_rank()
+        if xpu:
+            # No inter-process XPU events: finish the op before answering.
+            work.wait()
+            torch.xpu.synchronize()
         if cuda:
             work.wait()
             event = torch.cuda.Event(interprocess=True)
@@ -128,4 +141,13 @@ def _serve(conn: Connection, backend: Any) -> None:
         if work is None:
             reply(("done", op_id, None, None))
             continue
-        on_complete(work, functools.partial(_on_done, reply, op_id, name, work, event is not None))
+        xpu = any(isinstance(t, torch.Tensor) and t.device.type == "xpu" for t in _tensors(decoded))
+        on_complete(
+            work, functools.partial(_on_done, reply, op_id, name, work, event is not None, xpu)
+        )
+
+
+def _tensors(obj: Any) -> list[Any]:
+    if isinstance(obj, (list, tuple)):
+        return [x for o in obj for x in _tensors(o)]
+    return [obj]

@@ -7,10 +7,12 @@ import contextlib
 import ipaddress
 import os
 import socket
+import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -110,6 +112,16 @@ class StoreClients:
             self._clients.pop((addr.host, addr.port), None)
 
 
+def _store_classes() -> tuple[Any, Any]:
+    # Looked up on the package at call time, so that torchft-style tests can
+    # patch ftdist.process_group.TCPStore / PrefixStore.
+    package = sys.modules.get("ftdist.process_group")
+    return (
+        getattr(package, "TCPStore", dist.TCPStore),
+        getattr(package, "PrefixStore", dist.PrefixStore),
+    )
+
+
 def create_store_client(store_addr: str, timeout: timedelta = timedelta(seconds=60)) -> dist.Store:
     """Connect to the TCPStore at ``host:port/prefix`` and return a ``PrefixStore``.
 
@@ -119,16 +131,23 @@ def create_store_client(store_addr: str, timeout: timedelta = timedelta(seconds=
 
     Raises:
         ValueError: malformed address (before any connection is tried).
+        TypeError: ``timeout`` is not a timedelta.
         RuntimeError: the store could not be reached within ``timeout``
             (``torch.distributed.DistStoreError``).
     """
     addr = parse_store_addr(store_addr)
     if not isinstance(timeout, timedelta):
         raise TypeError(f"timeout must be a datetime.timedelta, got {timeout!r}")
-    tcp = dist.TCPStore(
-        addr.host, addr.port, is_master=False, wait_for_workers=False, timeout=timeout
+    tcp_store, prefix_store = _store_classes()
+    tcp = tcp_store(
+        host_name=addr.host,
+        port=addr.port,
+        is_master=False,
+        wait_for_workers=False,
+        timeout=timeout,
     )
-    return dist.PrefixStore(addr.prefix, tcp)
+    store: dist.Store = prefix_store(addr.prefix, tcp)
+    return store
 
 
 ENV_STORE_BIND = "FTDIST_STORE_BIND"

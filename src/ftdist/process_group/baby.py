@@ -35,12 +35,21 @@ from ftdist.errors import (
     CommunicationError,
     ProcessGroupAbortedError,
 )
+from ftdist.multiprocessing import _MonitoredPipe
 from ftdist.process_group._baby_child import child_main
 from ftdist.process_group._shm import Exporter
 from ftdist.process_group.base import BACKEND_NAME, Post, ProcessGroup
 from ftdist.process_group.work import WAIT_MARGIN, FtWork, Generation, WorkList, _SettableOnce
 
 logger = logging.getLogger(__name__)
+
+
+class GroupClosedError(ProcessGroupAbortedError, OSError):
+    """An op on a Baby group after :meth:`ProcessGroupBaby.shutdown`.
+
+    An ``OSError`` too: torchft's Baby groups raise ``OSError("handle is
+    closed")`` from their closed pipe here.
+    """
 
 
 class _BabyWork(dist._Work):
@@ -147,6 +156,7 @@ class _Child:
         self.conn = conn
         self.timeout = timeout
         self.label = label
+        self.pipe = _MonitoredPipe(conn)
         self.exporter = Exporter()
         self.pending: dict[int, _BabyWork] = {}
         self.dead: Exception | None = None
@@ -164,10 +174,15 @@ class _Child:
         limit = (self.timeout + WAIT_MARGIN).total_seconds()
         if not self.conn.poll(limit):
             raise CollectiveTimeoutError(
-                f"{self.describe()}: configure got no answer in {limit:.1f}s"
+                f"{self.describe()}: configure timed out after {limit} seconds (no answer)"
             )
         msg = self.conn.recv()
         if msg[0] != "ready":
+            if len(msg) > 2 and msg[2]:
+                raise CollectiveTimeoutError(
+                    f"{self.describe()}: configure timed out after "
+                    f"{self.timeout.total_seconds()} seconds: {msg[1]}"
+                )
             raise RuntimeError(f"{self.describe()}: configure failed in the child: {msg[1]}")
         self._reader = threading.Thread(
             target=self._read_loop, name="ftdist-baby-reader", daemon=True
@@ -182,9 +197,13 @@ class _Child:
             if self.dead is not None:
                 raise self.dead
             encoded = self.exporter.encode(args, new)
-            if any(isinstance(a, torch.Tensor) and a.is_cuda for a in _flatten(args)):
+            tensors = [a for a in _flatten(args) if isinstance(a, torch.Tensor)]
+            if any(t.is_cuda for t in tensors):
                 event = torch.cuda.Event(interprocess=True)
                 event.record()
+            elif any(t.device.type == "xpu" for t in tensors):
+                # No inter-process XPU events: the inputs must be ready now.
+                torch.xpu.current_stream().synchronize()
             op_id = next(self._ids)
             work = _BabyWork(self, op, outputs, post)
             self.pending[op_id] = work
@@ -318,8 +337,13 @@ class ProcessGroupBaby(ProcessGroup):
         super().__init__()
         self._timeout = as_timedelta(timeout, "timeout")
         self._child: _Child | None = None
+        self._closed = False
         self._spares = _SparePool()
         self._error: Exception | None = None
+        try:
+            self._check_backend()
+        except RuntimeError:
+            return  # configure will say why; no spare child for a backend that cannot run
         self._spares.refill()
 
     def _device(self) -> int | None:
@@ -332,9 +356,14 @@ class ProcessGroupBaby(ProcessGroup):
 
         Raises:
             ValueError: malformed ``store_addr`` or invalid rank/world size.
-            RuntimeError: the child could not create the backend.
+            CollectiveTimeoutError: peers did not arrive within the timeout
+                (a ``TimeoutError`` and a ``RuntimeError``: "configure timed
+                out after {timeout} seconds").
+            RuntimeError: the child could not create the backend, or this
+                group's backend cannot run on this machine.
         """
         self._check_configure_args(store_addr, rank, world_size)
+        self._check_backend()
         with self._config_lock:
             self._teardown(
                 ProcessGroupAbortedError(
@@ -342,33 +371,43 @@ class ProcessGroupBaby(ProcessGroup):
                 ),
                 background=True,
             )
-            self._set_topology(rank, world_size)
-            proc, conn = self._spares.take()
-            child = _Child(
-                proc, conn, self._timeout, f"{self.getBackendName()} rank {rank}/{world_size}"
-            )
-            try:
-                child.configure(self.BACKEND, store_addr, rank, world_size, self._device())
-            except Exception as exc:
-                child.kill(BackendProcessError(str(exc)))
-                raise RuntimeError(
-                    f"{type(self).__name__}.configure({store_addr!r}, rank={rank}, "
-                    f"world_size={world_size}) failed: {exc}"
-                ) from exc
-            finally:
-                threading.Thread(
-                    target=self._spares.refill, name="ftdist-baby-spare", daemon=True
-                ).start()
-            self._child = child
-            self._error = None
+            self._closed = False
+            self._configure_child(store_addr, rank, world_size)
+
+    def _check_backend(self) -> None:
+        """Raise before starting anything if this group's backend cannot run here."""
+
+    def _configure_child(self, store_addr: str, rank: int, world_size: int) -> None:
+        self._set_topology(rank, world_size)
+        proc, conn = self._spares.take()
+        child = _Child(
+            proc, conn, self._timeout, f"{self.getBackendName()} rank {rank}/{world_size}"
+        )
+        try:
+            child.configure(self.BACKEND, store_addr, rank, world_size, self._device())
+        except CollectiveTimeoutError as exc:
+            child.kill(BackendProcessError(str(exc)))
+            raise
+        except Exception as exc:
+            child.kill(BackendProcessError(str(exc)))
+            raise RuntimeError(
+                f"{type(self).__name__}.configure({store_addr!r}, rank={rank}, "
+                f"world_size={world_size}) failed: {exc}"
+            ) from exc
+        finally:
+            threading.Thread(
+                target=self._spares.refill, name="ftdist-baby-spare", daemon=True
+            ).start()
+        self._child = child
+        self._error = None
 
     def _teardown(self, reason: Exception, background: bool = False) -> None:
         child, self._child = self._child, None
         if child is None:
             return
         if background:
-            # The old child's ops fail at once; joining its process and
-            # reader thread (~10 ms) need not delay the new configure.
+            # The old child's ops fail at once; waiting for its process to
+            # exit (~20 ms) need not delay the new configure.
             child.fail_pending(reason)
             threading.Thread(
                 target=child.kill, args=(reason,), name="ftdist-baby-reap", daemon=True
@@ -390,11 +429,37 @@ class ProcessGroupBaby(ProcessGroup):
             ).start()
 
     def shutdown(self) -> None:
-        """Kill the child and the warm spare."""
+        """Kill the child and the warm spare; later ops raise until the next configure."""
         with self._config_lock:
             self._teardown(ProcessGroupAbortedError(f"{self.getBackendName()} group was shut down"))
             self._spares.close()
+            self._closed = True
         super().shutdown()
+
+    def num_active_work(self) -> int:
+        """How many ops the child has not answered yet.
+
+        Returns:
+            The number of pending ops of the current child (0 if none).
+        """
+        child = self._child
+        return len(child.pending) if child is not None else 0
+
+    # torchft's names for the current child's process, reader thread and pipe
+    @property
+    def _p(self) -> Any:
+        child = self._child
+        return child.proc if child is not None else None
+
+    @property
+    def _future_thread(self) -> threading.Thread | None:
+        child = self._child
+        return child._reader if child is not None else None
+
+    @property
+    def _future_pipe(self) -> _MonitoredPipe | None:
+        child = self._child
+        return child.pipe if child is not None else None
 
     def errored(self) -> Exception | None:
         """The error that killed the current child, if any, until the next configure."""
@@ -414,9 +479,14 @@ class ProcessGroupBaby(ProcessGroup):
     def _live_child(self) -> _Child:
         child = self._child
         if child is None:
+            if self._closed:
+                raise GroupClosedError(
+                    f"{type(self).__name__} was shut down (handle is closed); configure it "
+                    "again to run collectives"
+                )
             raise RuntimeError(
-                f"{type(self).__name__} is not configured: call configure(store_addr, rank, "
-                "world_size) before running collectives"
+                f"{type(self).__name__}: process group not initialized; call "
+                "configure(store_addr, rank, world_size) before running collectives"
             )
         return child
 
@@ -453,3 +523,23 @@ class ProcessGroupBabyNCCL(ProcessGroupBaby):
 
     def _native_avg(self) -> bool:
         return True
+
+
+class ProcessGroupBabyXCCL(ProcessGroupBaby):
+    """XCCL (Intel XPU) in a child process.
+
+    Constructs anywhere; ``configure`` raises at once, before starting
+    anything, where torch has no XPU support. XPU tensors cross to the child
+    through torch's IPC; with no inter-process XPU events, each op is finished
+    before the child answers (slower than NCCL's stream-ordered waits).
+    """
+
+    BACKEND = "xccl"
+
+    def _check_backend(self) -> None:
+        from ftdist.process_group.xccl import check_xccl
+
+        check_xccl(type(self).__name__)
+
+    def _device(self) -> int | None:
+        return torch.xpu.current_device() if torch.xpu.is_available() else None

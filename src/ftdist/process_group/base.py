@@ -27,17 +27,21 @@ Use ``pg.rank()`` rather than ``dist.get_rank(pg)``, which needs a default group
 from __future__ import annotations
 
 import threading
-import weakref
+import uuid
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup as BaseProcessGroup
 
+from ftdist.process_group import registry
 from ftdist.process_group._store import parse_store_addr
+from ftdist.process_group.reconfigure import host_store, make_handle, rendezvous
+from ftdist.process_group.registry import _OwnRanks
+from ftdist.process_group.work import CompletedWork
 
 Post = Callable[[], None] | None
 
@@ -76,6 +80,16 @@ def _check_avg_dtypes(tensors: Sequence[torch.Tensor], op: str) -> None:
             )
 
 
+def _pairs(outputs: Any, inputs: Any, op: str) -> list[tuple[Any, Any]]:
+    outputs, inputs = list(outputs), list(inputs)
+    if len(outputs) != len(inputs):
+        raise ValueError(
+            f"{op} needs one output tensor per input tensor, got {len(outputs)} outputs "
+            f"for {len(inputs)} inputs"
+        )
+    return list(zip(outputs, inputs, strict=True))
+
+
 def validate_topology(rank: Any, world_size: Any) -> None:
     """Check a (rank, world_size) pair for ``configure``.
 
@@ -90,40 +104,6 @@ def validate_topology(rank: Any, world_size: Any) -> None:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-
-
-class _OwnRanks(dict):  # type: ignore[type-arg]
-    """torch's global-to-group rank table for an ftdist group: the identity.
-
-    It follows the group's current size, so nothing needs updating when the
-    group is reconfigured or its size changes (a ManagedProcessGroup's size
-    is the number of participating replicas).
-    """
-
-    def __init__(self, pg: ProcessGroup) -> None:
-        super().__init__()
-        self._pg = weakref.ref(pg)
-
-    def _size(self) -> int:
-        pg = self._pg()
-        return pg.size() if pg is not None else 0
-
-    def __contains__(self, rank: object) -> bool:
-        return isinstance(rank, int) and 0 <= rank < self._size()
-
-    def __getitem__(self, rank: int) -> int:
-        if rank not in self:
-            raise KeyError(rank)
-        return rank
-
-    def items(self):  # type: ignore[no-untyped-def]
-        return [(r, r) for r in range(self._size())]
-
-    def __len__(self) -> int:
-        return self._size()
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(range(self._size()))
 
 
 class ProcessGroup(BaseProcessGroup):
@@ -154,8 +134,15 @@ class ProcessGroup(BaseProcessGroup):
         self._rank = 0
         self._world_size = 0
         self._group_name: str | None = None
-        self._registered_as: str | None = None
+        self._registered_as: tuple[str, bool] | None = None
         self._config_lock = threading.RLock()
+        # torchft's reconfiguration API (see .reconfigure)
+        self._reconfigure_id = uuid.uuid4().hex
+        self._rendezvous_store: dist.TCPStore | None = None
+        self._replica_id: str | None = None
+        self._group_rank: int | None = None
+        self._group_world_size: int | None = None
+        self._global_rank: int | None = None
         # Make src=/dst= arguments of torch.distributed mean ranks in this
         # group (see the module docstring).
         from torch.distributed.distributed_c10d import _world
@@ -212,7 +199,66 @@ class ProcessGroup(BaseProcessGroup):
         return self.getBackendName()
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(rank={self._rank}, size={self._world_size})"
+        return f"{type(self).__name__}()"
+
+    # -- torchft's reconfiguration API (see .reconfigure) ----------------------------
+    @property
+    def supports_reconfigure(self) -> bool:
+        """True: every ftdist group can be reconfigured (torchft's Manager checks this)."""
+        return True
+
+    def set_rank_info(
+        self,
+        replica_id: str,
+        group_rank: int,
+        group_world_size: int,
+        global_rank: int | None = None,
+    ) -> None:
+        """Record who this process is; the global rank goes into the reconfigure handle.
+
+        Args:
+            replica_id: the replica group's id.
+            group_rank: this rank inside its replica group.
+            group_world_size: ranks per replica group.
+            global_rank: this process's rank in the whole job, if known.
+        """
+        self._replica_id = replica_id
+        self._group_rank = group_rank
+        self._group_world_size = group_world_size
+        self._global_rank = global_rank
+
+    def _handle_id(self) -> str:
+        return self._reconfigure_id
+
+    def get_reconfigure_handle(self) -> str:
+        """This group's handle: JSON of its id, a store it hosts (started now), its global rank.
+
+        Returns:
+            The handle.
+        """
+        with self._config_lock:
+            if self._rendezvous_store is None:
+                self._rendezvous_store = host_store()
+            port = self._rendezvous_store.port
+        return make_handle(self._handle_id(), port, self._global_rank)
+
+    def reconfigure(self, opts: Any) -> dist.Work:
+        """Rebuild the group from ordered handles; see :mod:`.reconfigure`. Blocks.
+
+        Args:
+            opts: a :class:`~ftdist.process_group.ReconfigureOptions`.
+
+        Returns:
+            A completed Work.
+
+        Raises:
+            ValueError: ``opts.handles`` is not a list of handles that
+                includes this group's own.
+            RuntimeError: the backend could not be created (see :meth:`configure`).
+        """
+        meeting = rendezvous(opts, self._handle_id())
+        self.configure(meeting.store_addr, meeting.rank, meeting.world_size)
+        return CompletedWork(None)
 
     # -- naming and registration ---------------------------------------------------
     @property
@@ -240,9 +286,13 @@ class ProcessGroup(BaseProcessGroup):
     def register(self, name: str) -> ProcessGroup:
         """Register the group so functional collectives (and compiled code) can use it.
 
-        The registered name is ``f"{getBackendName()}:{name}"``; it also
-        becomes :attr:`group_name`. Unlike torchft, no default process group
-        is needed.
+        With a default process group, the group goes through
+        ``torch.distributed.new_group`` as torchft's does, so torch names it
+        after its group counter (``group_name == str(dist.get_pg_count() - 1)``
+        right after this call; ``f"{getBackendName()}:{name}"`` is its
+        description). Without one (ftdist needs none),
+        ``f"{getBackendName()}:{name}"`` is its :attr:`group_name`.
+        Reconfiguring a registered group keeps it registered.
 
         Returns:
             self.
@@ -255,25 +305,31 @@ class ProcessGroup(BaseProcessGroup):
             raise ValueError(f"register() needs a non-empty name, got {name!r}")
         if self._registered_as is not None:
             raise ValueError(
-                f"this group is already registered as {self._registered_as!r}; call unregister() first"
+                f"this group is already registered as {self._registered_as[0]!r}; "
+                "call unregister() first"
             )
-        full = f"{self.getBackendName()}:{name}"
-        c10d._register_process_group(cast(Any, full), self)
-        self._registered_as = full
-        self._group_name = full
+        self._registered_as = registry.register(self, name)
+        # new_group maps torch's global ranks onto this group; keep its own.
+        self._own_ranks()
         return self
 
     def unregister(self) -> None:
-        """Undo :meth:`register`.
+        """Undo :meth:`register`; the group keeps working as an unregistered group.
 
         Raises:
             ValueError: the group is not registered.
         """
         if self._registered_as is None:
             raise ValueError("unregister() called on a group that is not registered")
-        c10d._unregister_process_group(cast(Any, self._registered_as))
-        self._registered_as = None
-        self._group_name = None
+        (backend_name, through_world), self._registered_as = self._registered_as, None
+        name, self._group_name = self._group_name, None
+        registry.unregister(self, backend_name, through_world, name or backend_name)
+        self._own_ranks()
+
+    def _own_ranks(self) -> None:
+        from torch.distributed.distributed_c10d import _world
+
+        _world.pg_group_ranks[self] = _OwnRanks(self)
 
     # -- lifecycle hooks -------------------------------------------------------------
     def abort(self) -> None:
@@ -283,10 +339,11 @@ class ProcessGroup(BaseProcessGroup):
         """
 
     def shutdown(self) -> None:
-        """Release the backend and torch's bookkeeping for this group."""
+        """Release the backend, the rendezvous store and torch's bookkeeping for this group."""
         from torch.distributed.distributed_c10d import _world
 
         _world.pg_group_ranks.pop(self, None)
+        self._rendezvous_store = None
 
     def errored(self) -> Exception | None:
         """The error that made this group unusable until the next configure, if any."""
@@ -400,7 +457,8 @@ class ProcessGroup(BaseProcessGroup):
         """Several ``all_gather_into_tensor`` calls as one operation."""
         opts = opts or c10d.AllgatherOptions()
         return self._collective_many(
-            "all_gather_single", [(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+            "all_gather_single",
+            [(o, i, opts) for o, i in _pairs(outputs, inputs, "allgather_into_tensor_coalesced")],
         )
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
@@ -443,7 +501,7 @@ class ProcessGroup(BaseProcessGroup):
         opts, post = self._avg(opts, list(outputs), "reduce_scatter_tensor")
         return self._collective_many(
             "reduce_scatter_single",
-            [(o, i, opts) for o, i in zip(outputs, inputs, strict=True)],
+            [(o, i, opts) for o, i in _pairs(outputs, inputs, "reduce_scatter_tensor_coalesced")],
             post,
         )
 

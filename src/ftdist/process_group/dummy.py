@@ -45,6 +45,7 @@ class ProcessGroupDummy(ProcessGroup):
             )
         self._rank, self._world_size = 0, 1
         self.configure_count = 0
+        self.reconfigure_count = 0
 
     def configure(self, store_addr: str, rank: int, world_size: int) -> None:
         """Count the call; nothing to connect.
@@ -58,6 +59,18 @@ class ProcessGroupDummy(ProcessGroup):
                 f"world_size={world_size}"
             )
         self.configure_count += 1
+
+    def reconfigure(self, opts: Any) -> dist.Work:
+        """Count the call (``reconfigure_count``); nothing to connect.
+
+        Args:
+            opts: ignored.
+
+        Returns:
+            A completed Work.
+        """
+        self.reconfigure_count += 1
+        return CompletedWork(None)
 
     def getBackendName(self) -> str:
         """``"ftdist-dummy"``."""
@@ -84,8 +97,8 @@ class ProcessGroupDummy(ProcessGroup):
                 out = out[0] if out else inp
             _copy(out, inp)
             return CompletedWork(out)
-        if op in ("send", "recv", "recv_anysource"):
-            raise RuntimeError(f"ProcessGroupDummy has no peer to {op} with")
+        if op in ("send", "recv", "recv_anysource", "barrier"):
+            return CompletedWork(None)  # nothing to exchange in a group of one
         return CompletedWork(args[0] if args else None)
 
     def _collective_many(

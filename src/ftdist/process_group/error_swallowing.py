@@ -90,6 +90,18 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
         with self._err_lock:
             self._swallowed = None
 
+    def reconfigure(self, opts: Any) -> dist.Work:
+        """Reconfigure the wrapped group (torchft's handle API) and clear the recorded error.
+
+        Raises:
+            ValueError: the handles do not include this group's.
+            RuntimeError: the wrapped group failed to reconfigure.
+        """
+        work = super().reconfigure(opts)
+        with self._err_lock:
+            self._swallowed = None
+        return work
+
     def error(self) -> Exception | None:
         """The first error since the last configure, or None."""
         return self._swallowed

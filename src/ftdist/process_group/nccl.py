@@ -21,7 +21,7 @@ from torch._C._distributed_c10d import ProcessGroup as BaseProcessGroup
 
 from ftdist.process_group.base import Post, ProcessGroup
 from ftdist.process_group.work import FtWork, Generation
-from ftdist.process_group.wrapper import DEFAULT_TIMEOUT, ProcessGroupWrapper
+from ftdist.process_group.wrapper import ProcessGroupWrapper
 
 logger = logging.getLogger(__name__)
 
@@ -47,43 +47,22 @@ def create_nccl_backend(store: dist.Store, rank: int, world_size: int, timeout: 
     return backend
 
 
-class ProcessGroupNCCL(ProcessGroupWrapper):
-    """A reconfigurable NCCL group.
+class AcceleratorGroup(ProcessGroupWrapper):
+    """What NCCL and XCCL groups share: aborting communicators, stream-ordered waits.
 
-    Reconfiguring aborts the old communicator (``ncclCommAbort``), which
-    unblocks kernels waiting on a dead peer. Work waits only block the current
-    CUDA stream, as with torch's NCCL group; a watchdog aborts the
-    communicator when a wait exceeds the timeout.
-
-    Args:
-        pg: an existing group to wrap instead of creating NCCL communicators.
-        timeout: the collective timeout.
-
-    Raises:
-        RuntimeError: at configure, if CUDA or NCCL is unavailable.
+    Tearing a communicator down aborts it (``ncclCommAbort`` and its XCCL
+    counterpart), the only thing that unblocks kernels waiting on a dead
+    peer; work waits order the current device stream, as torch's do.
     """
-
-    def __init__(
-        self, pg: BaseProcessGroup | None = None, timeout: timedelta | float = DEFAULT_TIMEOUT
-    ) -> None:
-        super().__init__(pg=pg, timeout=timeout)
-
-    def getBackendName(self) -> str:
-        """``"ftdist-nccl"``."""
-        return "ftdist-nccl"
 
     def _native_avg(self) -> bool:
         return True
-
-    def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> BaseProcessGroup:
-        backend: BaseProcessGroup = create_nccl_backend(store, rank, world_size, self._timeout)
-        return backend
 
     def _wrap(self, work: Any, gen: Generation, op: str, post: Post) -> dist.Work:
         return _NCCLWork(work, gen, op, post)
 
     def abort(self) -> None:
-        """Abort the communicator (``ncclCommAbort``) so stuck kernels exit; configure to resume."""
+        """Abort the communicator so stuck kernels exit; configure to resume."""
         backend = self._pg
         super().abort()
         if not isinstance(backend, ProcessGroup) and not self._static:
@@ -92,6 +71,43 @@ class ProcessGroupNCCL(ProcessGroupWrapper):
     def _bury(self, backend: Any, busy: Callable[[], bool]) -> None:
         _abort_communicator(backend)
         super()._bury(backend, busy)
+
+
+class ProcessGroupNCCL(AcceleratorGroup):
+    """A reconfigurable NCCL group.
+
+    Reconfiguring aborts the old communicator (``ncclCommAbort``), which
+    unblocks kernels waiting on a dead peer. Work waits only block the current
+    CUDA stream, as with torch's NCCL group; a watchdog aborts the
+    communicator when a wait exceeds the timeout.
+
+    ``ProcessGroupNCCL(timedelta(seconds=30))`` (today's torchft) and
+    ``ProcessGroupNCCL(pg)`` (the early-2025 one) both work: the first
+    positional argument is read by its type.
+
+    Args:
+        pg: an existing group to wrap instead of creating NCCL communicators.
+        timeout: the collective timeout.
+
+    Raises:
+        TypeError: ``pg`` is not a process group or ``timeout`` not a duration.
+        RuntimeError: at configure, if CUDA or NCCL is unavailable.
+    """
+
+    def __init__(
+        self,
+        pg: BaseProcessGroup | timedelta | float | None = None,
+        timeout: timedelta | float | BaseProcessGroup | None = None,
+    ) -> None:
+        super().__init__(pg=pg, timeout=timeout)
+
+    def getBackendName(self) -> str:
+        """``"ftdist-nccl"``."""
+        return "ftdist-nccl"
+
+    def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> BaseProcessGroup:
+        backend: BaseProcessGroup = create_nccl_backend(store, rank, world_size, self._timeout)
+        return backend
 
 
 def _abort_communicator(backend: Any) -> None:
@@ -124,4 +140,4 @@ class _NCCLWork(FtWork):
         return ok
 
 
-__all__ = ["ProcessGroupNCCL", "create_nccl_backend"]
+__all__ = ["AcceleratorGroup", "ProcessGroupNCCL", "create_nccl_backend"]

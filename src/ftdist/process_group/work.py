@@ -77,7 +77,9 @@ class CompletedWork(dist._Work):
     """Work that is already complete with ``result``.
 
     What an op returns when nothing needs to run: a group of one, an op
-    swallowed after an error, a Manager step that already failed.
+    swallowed after an error, a Manager step that already failed. torchft
+    calls it ``_DummyWork`` (:mod:`ftdist.work`); ``result_`` and
+    ``future_`` are its attribute names there.
     """
 
     def __init__(self, result: Any) -> None:
@@ -98,6 +100,14 @@ class CompletedWork(dist._Work):
         return self._result
 
     def get_future(self) -> torch.futures.Future[Any]:
+        return self._fut
+
+    @property
+    def result_(self) -> Any:
+        return self._result
+
+    @property
+    def future_(self) -> torch.futures.Future[Any]:
         return self._fut
 
 

@@ -89,8 +89,40 @@ class _Graveyard:
 GRAVEYARD = _Graveyard()
 
 
+def split_pg_and_timeout(first: Any, second: Any, default: timedelta) -> tuple[Any, timedelta]:
+    """Sort ``(pg, timeout)`` out of two arguments given in either order.
+
+    torchft's early-2025 wrappers take ``(pg)`` first, today's take
+    ``(timeout, pg)``: the first positional argument is read by its type.
+
+    Raises:
+        TypeError: both are groups, both are durations, or one is neither.
+    """
+
+    def is_group(x: Any) -> bool:
+        return isinstance(x, (BaseProcessGroup, c10d.Backend))
+
+    def is_duration(x: Any) -> bool:
+        return isinstance(x, (timedelta, int, float)) and not isinstance(x, bool)
+
+    if is_duration(first) and (second is None or is_group(second)):
+        first, second = second, first
+    pg, timeout = first, second
+    if pg is not None and not is_group(pg):
+        raise TypeError(
+            f"pg must be a torch.distributed.ProcessGroup (or Backend), got {type(pg).__name__}"
+        )
+    if is_group(timeout):
+        raise TypeError("got two process groups; pass one pg and, optionally, a timeout")
+    return pg, as_timedelta(default if timeout is None else timeout, "timeout")
+
+
 class ProcessGroupWrapper(ProcessGroup):
     """A reconfigurable group around a backend created anew on each configure.
+
+    The first positional argument may be either parameter, told apart by
+    its type: ``ProcessGroupWrapper(pg)`` (torchft's early-2025 order) and
+    ``ProcessGroupWrapper(timedelta(seconds=30))`` (today's) both work.
 
     Args:
         pg: an existing group to wrap. An ftdist group is reconfigured through
@@ -99,28 +131,74 @@ class ProcessGroupWrapper(ProcessGroup):
         timeout: collective timeout of the backends this wrapper creates.
 
     Raises:
-        TypeError: ``pg`` is not a ``torch.distributed.ProcessGroup``.
+        TypeError: ``pg`` is not a ``torch.distributed.ProcessGroup``, or
+            ``timeout`` is not a duration.
+        ValueError: ``timeout`` is not positive.
     """
 
     def __init__(
-        self, pg: BaseProcessGroup | None = None, timeout: timedelta | float = DEFAULT_TIMEOUT
+        self,
+        pg: BaseProcessGroup | timedelta | float | None = None,
+        timeout: timedelta | float | BaseProcessGroup | None = None,
     ) -> None:
         super().__init__()
-        if pg is not None and not isinstance(pg, (BaseProcessGroup, c10d.Backend)):
-            raise TypeError(
-                f"pg must be a torch.distributed.ProcessGroup (or Backend), got {type(pg).__name__}"
-            )
-        self._timeout = as_timedelta(timeout, "timeout")
-        self._pg: Any = pg
+        wrapped, self._timeout = split_pg_and_timeout(pg, timeout, DEFAULT_TIMEOUT)
+        self._pg: Any = wrapped
         self._gen: Generation | None = None
         self._error: Exception | None = None
         # A plain torch group is used as it is and cannot be rebuilt.
-        self._static = pg is not None and not isinstance(pg, ProcessGroup)
+        self._static = wrapped is not None and not isinstance(wrapped, ProcessGroup)
         self._stores = StoreClients()
         if self._static:
-            assert pg is not None
             self._gen = Generation(self._describe(), self._timeout)
-            self._rank, self._world_size = pg.rank(), pg.size()
+            self._rank, self._world_size = wrapped.rank(), wrapped.size()
+
+    def __repr__(self) -> str:
+        pg = self._pg
+        if pg is None or isinstance(pg, ProcessGroup):
+            inner = repr(pg)
+        else:  # a torch backend: its name, not its (changing) address
+            inner = str(pg.name()) if hasattr(pg, "name") else type(pg).__name__
+        return f"{type(self).__name__}(pg={inner})"
+
+    # -- torchft's reconfiguration API: a wrapped ftdist group answers -----------
+    def set_rank_info(
+        self,
+        replica_id: str,
+        group_rank: int,
+        group_world_size: int,
+        global_rank: int | None = None,
+    ) -> None:
+        """See :meth:`ProcessGroup.set_rank_info`; also tells a wrapped ftdist group."""
+        super().set_rank_info(replica_id, group_rank, group_world_size, global_rank)
+        if isinstance(self._pg, ProcessGroup):
+            self._pg.set_rank_info(replica_id, group_rank, group_world_size, global_rank)
+
+    def _handle_id(self) -> str:
+        pg = self._pg
+        return pg._handle_id() if isinstance(pg, ProcessGroup) else super()._handle_id()
+
+    def get_reconfigure_handle(self) -> str:
+        """See :meth:`ProcessGroup.get_reconfigure_handle` (a wrapped ftdist group's)."""
+        pg = self._pg
+        if isinstance(pg, ProcessGroup):
+            return pg.get_reconfigure_handle()
+        return super().get_reconfigure_handle()
+
+    def reconfigure(self, opts: Any) -> dist.Work:
+        """See :meth:`ProcessGroup.reconfigure`; a wrapped ftdist group reconfigures itself.
+
+        Raises:
+            ValueError: the handles do not include this group's.
+            RuntimeError: the backend could not be created.
+        """
+        pg = self._pg
+        if isinstance(pg, ProcessGroup):
+            with self._config_lock:
+                work = pg.reconfigure(opts)
+                self._set_topology(pg.rank(), pg.size())
+                return work
+        return super().reconfigure(opts)
 
     def rank(self) -> int:
         """This process's rank (the wrapped ftdist group's, if any)."""
@@ -142,8 +220,8 @@ class ProcessGroupWrapper(ProcessGroup):
         pg = self._pg
         if pg is None:
             raise RuntimeError(
-                f"{type(self).__name__} is not configured: call configure(store_addr, rank, "
-                "world_size) before running collectives"
+                f"{type(self).__name__}: process group not initialized; call "
+                "configure(store_addr, rank, world_size) before running collectives"
             )
         parent: BaseProcessGroup = pg
         return parent
@@ -176,12 +254,13 @@ class ProcessGroupWrapper(ProcessGroup):
                 reconfigured.
             RuntimeError: the new backend could not be created.
         """
-        self._check_configure_args(store_addr, rank, world_size)
         with self._config_lock:
             if isinstance(self._pg, ProcessGroup):
+                # The wrapped group checks what it needs (a dummy takes any address).
                 self._pg.configure(store_addr, rank, world_size)
                 self._set_topology(rank, world_size)
                 return
+            self._check_configure_args(store_addr, rank, world_size)
             if self._static:
                 raise TypeError(
                     "this wrapper wraps a plain torch group, which cannot be "

@@ -1,0 +1,151 @@
+"""ftdist.futures: timeouts for futures and blocks, one timer thread that does not linger."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from unittest import mock
+
+import pytest
+import torch
+from torch.futures import Future
+
+import ftdist.futures as futures
+from ftdist.futures import (
+    _TIMEOUT_MANAGER,
+    _TimerHandle,
+    context_timeout,
+    future_timeout,
+    future_wait,
+    stream_timeout,
+)
+
+SHORT = timedelta(milliseconds=10)
+LONG = timedelta(seconds=30)
+
+
+@pytest.fixture(autouse=True)
+def stopped_timer_thread() -> Iterator[None]:
+    yield
+    _TIMEOUT_MANAGER.shutdown()
+
+
+def test_future_timeout_fails_a_late_future() -> None:
+    late: Future[int] = Future()
+    timed = future_timeout(late, SHORT)
+    with pytest.raises(TimeoutError, match=r"future did not complete within 0:00:00.010000"):
+        timed.wait()
+    late.set_result(1)  # completing afterwards changes nothing
+    with pytest.raises(TimeoutError):
+        timed.wait()
+
+
+def test_future_timeout_passes_results_and_errors_through() -> None:
+    ok: Future[int] = Future()
+    timed_ok = future_timeout(ok, LONG)
+    assert not timed_ok.done()
+    ok.set_result(7)
+    assert timed_ok.wait() == 7
+    bad: Future[int] = Future()
+    timed_bad = future_timeout(bad, LONG)
+    bad.set_exception(RuntimeError("inner failure"))
+    with pytest.raises(RuntimeError, match="inner failure"):
+        timed_bad.wait()
+    done: Future[int] = Future()
+    done.set_result(3)
+    assert future_timeout(done, LONG).wait() == 3
+
+
+def test_future_timeout_passes_mocks_through() -> None:
+    fake = mock.MagicMock()
+    assert future_timeout(fake, SHORT) is fake
+
+
+def test_future_wait() -> None:
+    pending: Future[int] = Future()
+    with pytest.raises(TimeoutError, match="future did not complete within"):
+        future_wait(pending, SHORT)
+    done: Future[int] = Future()
+    done.set_result(5)
+    assert future_wait(done, timedelta(seconds=1)) == 5
+    failed: Future[int] = Future()
+    failed.set_exception(ValueError("nope"))
+    with pytest.raises(ValueError, match="nope"):
+        future_wait(failed, timedelta(seconds=1))
+    with pytest.raises(ValueError, match="timeout must not be negative"):
+        future_wait(done, timedelta(seconds=-1))
+
+
+def test_context_timeout_fires_in_a_slow_block_only() -> None:
+    meet = threading.Barrier(2, timeout=10)
+    with context_timeout(meet.wait, SHORT):
+        meet.wait()  # only the timer's callback can release this
+    fired: list[str] = []
+    with context_timeout(lambda: fired.append("late"), timedelta(seconds=0.3)):
+        pass
+    with (
+        pytest.raises(KeyError),
+        context_timeout(lambda: fired.append("late"), timedelta(seconds=0.3)),
+    ):
+        raise KeyError("the block failed")  # leaving by an exception cancels too
+    time.sleep(0.5)
+    assert fired == []
+
+
+def test_timer_handle_cancels_once_and_before_the_timer_exists() -> None:
+    timer = mock.Mock()
+    handle = _TimerHandle()
+    handle.cancel()
+    handle.set_timer_handle(timer)  # already cancelled: the timer is cancelled at once
+    timer.cancel.assert_called_once_with()
+    with pytest.raises(AssertionError, match="timer can only be cancelled once"):
+        handle.cancel()
+
+
+def test_timer_thread_ends_when_idle_and_after_shutdown() -> None:
+    def timer_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("ftdist-timeout")]
+
+    done: Future[int] = Future()
+    timed = future_timeout(done, LONG)
+    assert len(timer_threads()) == 2  # the timer thread and its watchdog
+    done.set_result(1)
+    assert timed.wait() == 1
+    deadline = time.monotonic() + 10
+    while timer_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert timer_threads() == []  # no pending timer: both threads ended
+    pending: Future[int] = Future()
+    timed = future_timeout(pending, LONG)
+    _TIMEOUT_MANAGER.shutdown()  # cancels the pending timer, joins at once
+    assert timer_threads() == [] and not timed.done()
+
+
+def test_watchdog_exits_when_a_callback_blocks_the_timer_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_TIMEOUT_MANAGER, "_watchdog_interval", timedelta(seconds=0.2))
+    exited = threading.Event()
+    exit_mock = mock.Mock(side_effect=lambda code: exited.set())
+    monkeypatch.setattr(futures.sys, "exit", exit_mock)
+    release = threading.Event()
+    with context_timeout(lambda: release.wait(10), SHORT):
+        assert exited.wait(10)
+    exit_mock.assert_called_once_with(1)
+    release.set()
+
+
+def test_stream_timeout_without_an_accelerator_never_calls_back() -> None:
+    if torch.accelerator.is_available():
+        pytest.skip("checks the CPU-only behaviour")
+    called: list[int] = []
+    stream_timeout(lambda: called.append(1), SHORT)
+    time.sleep(0.1)
+    assert called == [] and _TIMEOUT_MANAGER._clear_del_queue() == 0
+
+
+def test_timeouts_are_checked_before_anything_is_scheduled() -> None:
+    with pytest.raises(TypeError, match=r"timeout must be a datetime\.timedelta"):
+        future_timeout(Future(), "soon")  # type: ignore[arg-type]
