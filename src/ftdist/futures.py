@@ -364,6 +364,50 @@ def future_timeout(fut: Future[T], timeout: timedelta) -> Future[T]:
     return _TIMEOUT_MANAGER.register(fut, timeout)
 
 
+def when_done(
+    fut: Future[T],
+    timeout: timedelta,
+    callback: Callable[[T | None, BaseException | None], None],
+) -> None:
+    """Call ``callback(value, None)`` when ``fut`` completes, ``(None, error)``
+    when it fails, or ``(None, TimeoutError)`` once ``timeout`` passed first.
+
+    Like :func:`future_timeout` without the intermediate future: the Manager
+    bounds every bucket of every step with it. The callback runs exactly
+    once, on the thread that completed ``fut`` or on the timer thread; it
+    must not raise or block.
+
+    Raises:
+        TypeError: ``timeout`` is not a duration.
+        ValueError: ``timeout`` is negative.
+    """
+    timeout = as_timedelta(timeout, "timeout", allow_zero=True)
+    lock = threading.Lock()
+    settled = [False]
+
+    def settle(value: T | None, error: BaseException | None) -> None:
+        with lock:
+            if settled[0]:
+                return
+            settled[0] = True
+        callback(value, error)
+
+    timer = _TIMEOUT_MANAGER._schedule(
+        lambda: settle(None, TimeoutError(f"future did not complete within {timeout}")), timeout
+    )
+
+    def done(f: Future[T]) -> None:
+        timer.cancel()
+        try:
+            value = f.value()
+        except Exception as exc:
+            settle(None, exc)
+        else:
+            settle(value, None)
+
+    fut.add_done_callback(done)
+
+
 def future_wait(fut: Future[T], timeout: timedelta) -> T:
     """Wait for ``fut`` at most ``timeout`` and return its result.
 
@@ -431,4 +475,5 @@ __all__ = [
     "future_timeout",
     "future_wait",
     "stream_timeout",
+    "when_done",
 ]

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ftdist._deadlines import future_with_timeout, when_done
+from ftdist.futures import when_done
 
 if TYPE_CHECKING:
     from ftdist.manager.manager import Manager
@@ -57,18 +57,15 @@ def bounded_future(
     The failure (a ``TimeoutError`` for the timeout) goes to ``on_error``;
     the returned future never fails.
     """
-    bounded = future_with_timeout(fut, timeout)
     out: torch.futures.Future[T] = torch.futures.Future()
 
-    def settle(f: torch.futures.Future[T]) -> None:
-        try:
-            value = f.value()
-        except Exception as exc:
-            on_error(exc)
+    def settle(value: T | None, error: BaseException | None) -> None:
+        if error is not None:
+            on_error(error)
             value = default
-        out.set_result(value)
+        out.set_result(value)  # type: ignore[arg-type]
 
-    bounded.add_done_callback(settle)
+    when_done(fut, timeout, settle)
     return out
 
 
