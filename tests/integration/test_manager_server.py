@@ -203,3 +203,24 @@ def test_the_in_process_client_answers_like_the_network_one(server: ManagerServe
     with pytest.raises(CoordinationTimeoutError, match="commit vote incomplete"):
         local.should_commit(0, 3, True, timedelta(milliseconds=200))
     local.close()
+
+
+def test_torchft_spellings_of_both_generations(server: ManagerServer) -> None:
+    with ManagerClient(server.address(), T) as c:
+        seed, today = _in_threads(
+            # torchft early 2025: (rank, step, checkpoint_metadata, shrink_only, timeout)
+            lambda: c._quorum(
+                rank=0, step=4, checkpoint_metadata="m0", shrink_only=False, timeout=T
+            ),
+            # today: (..., timeout, commit_failures, reconfigure_handle, init_sync)
+            lambda: c._quorum(1, 4, "m1", False, T, 0, "", True),
+        )
+        assert seed.max_step == today.max_step == 4
+        assert seed.max_rank == seed.max_replica_rank == 0
+        assert today.recover_dst_ranks == today.recover_dst_replica_ranks == []
+        assert _in_threads(
+            lambda: c.should_commit(rank=0, step=4, should_commit=True, timeout=T),
+            lambda: c.should_commit(1, 4, True, timeout=T),
+        ) == [True, True]
+        with pytest.raises(TypeError, match="give the group rank once"):
+            c._quorum(0, 4, "", False, T, rank=0)

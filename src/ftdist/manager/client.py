@@ -187,7 +187,37 @@ class ManagerClient:
             group_heals=response.group_heals,
         )
 
-    _quorum = quorum
+    def _quorum(
+        self,
+        group_rank: int | None = None,
+        step: int = 0,
+        checkpoint_metadata: str = "",
+        shrink_only: bool = False,
+        timeout: timedelta = timedelta(seconds=60),
+        commit_failures: int = 0,
+        reconfigure_handle: str = "",
+        init_sync: bool = True,
+        *,
+        rank: int | None = None,
+    ) -> ManagerQuorumResult:
+        """torchft's spelling of :meth:`quorum`, for either generation.
+
+        The early-2025 order ``(rank, step, checkpoint_metadata, shrink_only,
+        timeout)`` is a prefix of today's ``(group_rank, ..., timeout,
+        commit_failures, reconfigure_handle, init_sync)``; ``rank=`` is the
+        early keyword for ``group_rank``. ftdist's process groups are
+        reconfigured through the store, so ``reconfigure_handle`` is accepted
+        and not needed.
+
+        Raises:
+            TypeError: neither or both of ``group_rank`` and ``rank`` are given.
+            TimeoutError: no quorum within ``timeout``.
+            RuntimeError: the server or lighthouse refused.
+        """
+        return self.quorum(
+            _one_rank(group_rank, rank), step, checkpoint_metadata, shrink_only, init_sync,
+            commit_failures, timeout,
+        )  # fmt: skip
 
     def checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
         """Where group rank ``rank`` of this replica group serves its state.
@@ -207,13 +237,23 @@ class ManagerClient:
     _checkpoint_metadata = checkpoint_metadata
 
     def should_commit(
-        self, group_rank: int, step: int, should_commit: bool, timeout: timedelta
+        self,
+        group_rank: int | None = None,
+        step: int = 0,
+        should_commit: bool = False,
+        timeout: timedelta = timedelta(seconds=60),
+        *,
+        rank: int | None = None,
     ) -> bool:
         """Vote; returns True only if every group rank voted True on the same step.
 
+        ``rank=`` is torchft's early-2025 keyword for ``group_rank``.
+
         Raises:
+            TypeError: neither or both of ``group_rank`` and ``rank`` are given.
             TimeoutError: not every rank voted within ``timeout``.
         """
+        group_rank = _one_rank(group_rank, rank)
         return bool(
             self._call(
                 self._commit_rpc,
@@ -306,3 +346,12 @@ def kill_manager(
             if isinstance(exc, grpc.Call) and exc.code() is grpc.StatusCode.UNAVAILABLE:
                 return  # the manager exited before answering, as intended
             raise _rpc.map_rpc_error(exc, f"Kill call to manager at {address}") from exc
+
+
+def _one_rank(group_rank: int | None, rank: int | None) -> int:
+    if (group_rank is None) == (rank is None):
+        raise TypeError(
+            f"give the group rank once, as group_rank= or (torchft's early name) rank=; got "
+            f"group_rank={group_rank!r}, rank={rank!r}"
+        )
+    return int(group_rank if group_rank is not None else rank)  # type: ignore[arg-type]

@@ -76,6 +76,23 @@ class QuorumResult:
     heal: bool = False
     commit_failures: int = 0
     replica_ids: list[str] = field(default_factory=list)
+    reconfigure_handles: list[str] = field(default_factory=list)
+
+    # torchft's early-2025 names for three of the fields.
+    @property
+    def max_rank(self) -> int | None:
+        """``max_replica_rank``, by torchft's early name."""
+        return self.max_replica_rank
+
+    @property
+    def recover_src_rank(self) -> int | None:
+        """``recover_src_replica_rank``, by torchft's early name."""
+        return self.recover_src_replica_rank
+
+    @property
+    def recover_dst_ranks(self) -> list[int]:
+        """``recover_dst_replica_ranks``, by torchft's early name."""
+        return self.recover_dst_replica_ranks
 
 
 def compute_quorum_results(
