@@ -375,7 +375,7 @@ class FtWork(dist._Work):
         self._watch()
         if not self._event.wait(limit):
             raise CollectiveTimeoutError(
-                f"{self._gen.description}: {self._op} did not complete within {limit:.1f}s"
+                f"{self._gen.description}: {self._op} timed out: did not complete within {limit:g} s"
             )
         assert self._outcome is not None
         if self._outcome[1] is not None:
@@ -404,7 +404,7 @@ class FtWork(dist._Work):
                 raise self._gen.error
             if time.monotonic() > deadline:
                 raise CollectiveTimeoutError(
-                    f"{self._gen.description}: {self._op} did not complete within {limit:.1f}s"
+                    f"{self._gen.description}: {self._op} timed out: did not complete within {limit:g} s"
                 )
         # A result that completed is valid even if the group was torn down
         # right after: the collective finished on every rank.
