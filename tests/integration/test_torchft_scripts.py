@@ -121,8 +121,15 @@ def test_a_torchft_script_runs_unchanged_but_the_import(
         # The restarted trainer healed forward instead of starting over.
         restarted = [int(s) for s in STEP.findall(outs[1].read_text())]
         assert restarted.count(1) <= 1 or max(restarted) == STEPS, restarted
-        assert "Restarting" in errs[1].read_text(errors="replace") or "restart" in (
-            errs[1].read_text(errors="replace").lower()
-        )
+        # torchrun's restart logs at INFO, which it does not print; the
+        # restarted trainer's heal line says it came back and healed forward.
+        heals = [
+            int(step)
+            for step in re.findall(
+                r"healed from replica rank\(s\) \[\d+\] at step (\d+)",
+                errs[1].read_text(errors="replace"),
+            )
+        ]
+        assert heals and max(heals) >= KILL_AT, tails[1]
     finally:
         _stop(procs, tag)
