@@ -1,4 +1,5 @@
-"""Layout rules that are cheap to check: the README's module map is the tree,
+"""Layout rules that are cheap to check: the module maps (README's first level,
+docs/architecture.md's every module) are the tree,
 modules stay small, pure modules stay pure, and the command line stays light."""
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ PACKAGE = ROOT / "src" / "ftdist"
 # A module past this many lines hides a second concept (the house style).
 MAX_LINES = 600
 # Modules that decide and must not do I/O: no sockets, threads or collectives.
-PURE = ["lighthouse/quorum.py", "manager/rule.py", "demo/schedule.py"]
+PURE = [
+    "lighthouse/quorum.py",
+    "manager/rule.py",
+    "demo/schedule.py",
+    "launch/layout.py",
+    "launch/policy.py",
+]
 IMPURE_IMPORTS = {"socket", "threading", "grpc", "torch.distributed", "subprocess", "asyncio"}
 
 
@@ -30,21 +37,24 @@ def _tree() -> set[str]:
     return files
 
 
-def _module_map() -> set[str]:
-    text = (ROOT / "README.md").read_text()
+def _map_block(doc: str) -> list[str]:
+    text = (ROOT / doc).read_text()
     match = re.search(
         r"<!-- module-map:start -->\n```\n(.*?)```\n<!-- module-map:end -->", text, re.S
     )
-    assert match, "README.md has no module map between the module-map markers"
+    assert match, f"{doc} has no module map between the module-map markers"
     lines = match.group(1).splitlines()
-    assert lines[0].strip() == "src/ftdist/"
+    assert lines[0].strip() == "src/ftdist/", f"{doc}'s module map does not start at src/ftdist/"
+    return [line for line in lines[1:] if line.strip()]
+
+
+def _module_map(doc: str) -> set[str]:
+    """Every module a map names, packages as their ``__init__.py``."""
     entries: set[str] = set()
     stack: list[str] = []
-    for line in lines[1:]:
-        if not line.strip():
-            continue
+    for line in _map_block(doc):
         indent = len(line) - len(line.lstrip())
-        assert indent % 2 == 0 and indent >= 2, f"odd indentation in the module map: {line!r}"
+        assert indent % 2 == 0 and indent >= 2, f"odd indentation in {doc}'s map: {line!r}"
         depth = indent // 2 - 1
         name = line.split()[0]
         stack = stack[:depth]
@@ -56,13 +66,36 @@ def _module_map() -> set[str]:
     return entries
 
 
-def test_readme_module_map_is_the_tree() -> None:
-    tree, documented = _tree(), _module_map()
+def _top_level() -> set[str]:
+    """The package's first level: its modules and its packages (``name/``)."""
+    names = set()
+    for path in PACKAGE.iterdir():
+        if path.suffix == ".py":
+            names.add(path.name)
+        elif (path / "__init__.py").exists():
+            names.add(path.name + "/")
+    return names
+
+
+def test_full_module_map_is_the_tree() -> None:
+    tree, documented = _tree(), _module_map("docs/architecture.md")
     assert not tree - documented, (
-        f"modules missing from README's module map: {sorted(tree - documented)}"
+        f"modules missing from docs/architecture.md's map: {sorted(tree - documented)}"
     )
     assert not documented - tree, (
-        f"README's module map names modules that do not exist: {sorted(documented - tree)}"
+        f"docs/architecture.md's map names modules that do not exist: {sorted(documented - tree)}"
+    )
+
+
+def test_readme_map_is_the_first_level_of_the_tree() -> None:
+    lines = _map_block("README.md")
+    assert all(line.startswith("  ") and not line.startswith("   ") for line in lines), (
+        "README.md's map lists the first level only; the full map is docs/architecture.md's"
+    )
+    documented = {line.split()[0] for line in lines}
+    assert documented == _top_level(), (
+        f"README.md's map and src/ftdist/ differ: missing {sorted(_top_level() - documented)}, "
+        f"extra {sorted(documented - _top_level())}"
     )
 
 
