@@ -9,16 +9,19 @@ and local weights as every process that finished.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from dataclasses import asdict
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from ftdist.launch.ranks import Ranks
+from ftdist.launch.ranks import RankContext, Ranks, run_ranks
 from tests.integration.lighthouse_helpers import Lighthouses
 from tests.integration.local_sgd_training import as_tensors, read_lineages, train
 from tests.local_sgd_reference import Config, Lineage, simulate
@@ -90,28 +93,40 @@ def _run(
     return [o.value for o in outcomes]
 
 
+DILOCO = Config("diloco", n_fragments=2, sync_every=4, delay=1, alpha=0.5, inner="adamw")
+LOCALSGD = Config("localsgd", n_fragments=1, sync_every=3, delay=0, alpha=0.0, inner="adamw")
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    "cfg",
-    [
-        Config("diloco", n_fragments=2, sync_every=4, delay=1, alpha=0.5, inner="adamw"),
-        Config("localsgd", n_fragments=1, sync_every=3, delay=0, alpha=0.0, inner="adamw"),
-    ],
-    ids=["streaming-diloco", "localsgd"],
+    ("cfg", "extra"),
+    [(DILOCO, {"bucketize": True}), (LOCALSGD, {}), (DILOCO, {"quantize": True})],
+    ids=["streaming-diloco", "localsgd", "streaming-diloco-int8"],
 )
 def test_without_failures_bit_identical_to_the_reference(
-    lh: Lighthouses, tmp_path: Path, cfg: Config
+    lh: Lighthouses, tmp_path: Path, cfg: Config, extra: dict[str, Any]
 ) -> None:
     server = lh.server(min_replicas=2, join_timeout_ms=30_000, heartbeat_timeout_ms=5_000)
-    extra = {"bucketize": True} if cfg.algorithm == "diloco" else {}
-    finals = _run(server.address(), tmp_path / "events", cfg, 6, [[extra], [extra]])
-    simulated = _check_against_reference(cfg, tmp_path / "events", finals)
+    out = tmp_path / "events"
+    finals = _run(server.address(), out, cfg, 6, [[extra], [extra]])
     assert all(f["step"] == 6 for f in finals)
+    if extra.get("quantize"):
+        # Quantized pseudo-gradients: not the reference's numbers, but every
+        # replica still holds the same global state, close to the reference's.
+        simulated = simulate(cfg, read_lineages(str(out), cfg))
+        real = as_tensors(finals[0]["global"])
+        for f, (backup, _) in enumerate(simulated[(0, 0)].global_state()):
+            for name, expected in backup.items():
+                got = real[f]["backup"][name]
+                assert not torch.equal(got, expected)  # the int8 path did run
+                torch.testing.assert_close(got, expected, rtol=0.05, atol=0.01)
+    else:
+        simulated = _check_against_reference(cfg, out, finals)
     for lin in simulated.values():
         assert [r.participants for r in lin.records] == [2] * 6
         assert all(r.committed and not r.healed for r in lin.records)
-    # Both replicas hold the same global state; their local weights differ.
     if cfg.algorithm == "diloco":
+        # The same global state everywhere; local weights differ by design.
         assert finals[0]["global"] == finals[1]["global"]
         assert finals[0]["model"] != finals[1]["model"]
         assert finals[0]["consistency_keys"] == [
@@ -120,6 +135,49 @@ def test_without_failures_bit_identical_to_the_reference(
         ]
     else:
         assert finals[0]["model"] == finals[1]["model"]
+
+
+def quantized_body(ctx: RankContext) -> list[list[float]]:
+    from ftdist.collectives import allreduce_quantized
+    from ftdist.process_group import ProcessGroupGloo
+
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=20))
+    pg.configure(ctx.addr("q"), ctx.rank, ctx.world_size)
+    try:
+        out = []
+        for mode, op in itertools.product(("int8", "bf16"), (dist.ReduceOp.SUM, dist.ReduceOp.AVG)):
+            tensors = [_quantized_input(ctx.rank, 0), _quantized_input(ctx.rank, 1)]
+            allreduce_quantized(tensors, op, pg, mode=mode).wait()
+            out += [t.reshape(-1).tolist() for t in tensors]
+        return out
+    finally:
+        pg.shutdown()
+
+
+def _quantized_input(rank: int, i: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(rank * 10 + i)
+    return torch.randn(300 if i == 0 else 7, generator=g) * (1000.0 if i else 1.0)
+
+
+@pytest.mark.timeout(90)
+def test_quantized_allreduce_over_gloo_agrees_everywhere_within_the_bound() -> None:
+    world = 3
+    results = run_ranks(quantized_body, world, timeout=60)
+    for other in results[1:]:
+        assert other == results[0]  # bit-identical on every rank
+    got = iter(results[0])
+    for mode, op in itertools.product(("int8", "bf16"), ("sum", "avg")):
+        for i in range(2):
+            inputs = [_quantized_input(r, i).double() for r in range(world)]
+            exact = sum(inputs)
+            if mode == "int8":
+                bound = sum(x.abs().max() / 254 for x in inputs)  # one block per tensor here
+            else:
+                bound = sum(x.abs() for x in inputs) * 2**-8
+            bound = bound + sum(x.abs() for x in inputs) * 2**-21
+            divisor = world if op == "avg" else 1
+            value = torch.tensor(next(got), dtype=torch.float64)
+            assert bool(((value - exact / divisor).abs() <= bound / divisor).all()), (mode, op, i)
 
 
 @pytest.mark.slow
