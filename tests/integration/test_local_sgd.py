@@ -221,3 +221,21 @@ def test_groups_killed_before_during_and_after_a_sync_match_the_reference(
     # ...and the victim's fragments of its restarts counted: some syncs with both.
     assert sum(r.participants == 2 and r.committed for r in survivor_records) >= 3
     assert os.path.exists(out / "r1.a3.jsonl")
+
+
+@pytest.mark.timeout(120)
+def test_localsgd_group_killed_and_restarted_ends_with_the_same_weights(
+    lh: Lighthouses, tmp_path: Path
+) -> None:
+    """torchft's LocalSGD recovery test: a killed group restarts, heals at its
+    first sync and, from then on, every sync leaves both groups identical."""
+    server = lh.server(min_replicas=1, join_timeout_ms=30_000, heartbeat_timeout_ms=5_000)
+    cfg = Config("localsgd", n_fragments=1, sync_every=3, delay=0, alpha=0.0, inner="adamw")
+    out = tmp_path / "events"
+    finals = _run(
+        server.address(), out, cfg, 7, [[{"hold": {"4": 1}}], [{"die": ["before", 2]}, {}]]
+    )
+    assert [f["attempt"] for f in finals] == [0, 1]
+    assert finals[0]["model"] == finals[1]["model"]
+    restart = next(lin for lin in read_lineages(str(out), cfg) if lin.attempt == 1)
+    assert restart.records[0].healed and restart.records[0].step > 0
