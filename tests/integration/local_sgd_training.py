@@ -32,6 +32,19 @@ def _wait_for(store: Any, key: str, count: int, timeout: float = 60.0) -> None:
         time.sleep(0.02)
 
 
+def _wait_heartbeat(lighthouse: str, replica_id: str, timeout: float = 30.0) -> None:
+    from ftdist.lighthouse.client import LighthouseClient
+
+    deadline = time.monotonic() + timeout
+    with LighthouseClient(lighthouse, 10.0) as client:
+        while time.monotonic() < deadline:
+            beats = client.status().get("heartbeats", [])
+            if any(b["replica_id"] == replica_id and b["healthy"] for b in beats):
+                return
+            time.sleep(0.02)
+    raise TimeoutError(f"the lighthouse never saw a heartbeat of {replica_id}")
+
+
 def _tensors(t: Any) -> Any:
     """Nested state with tensors as lists (tensors do not cross the result pipe)."""
     if isinstance(t, torch.Tensor):
@@ -116,12 +129,13 @@ def train(
     def receives() -> int:
         return sum(t.role == "receive" for t in manager.heal_timelines)
 
+    # Peers go on (start, or leave a hold) once the lighthouse counts this
+    # group as alive: their next quorum then waits for it instead of
+    # forming without it (a second history of the same steps).
+    _wait_heartbeat(lighthouse, manager.replica_id())
     if attempt == 0:
         harness.add(UP, 1)
         _wait_for(harness, UP, ctx.world_size)
-        # Let the lighthouse see every group's heartbeat before the first
-        # quorum, so that the first sync holds them all.
-        time.sleep(0.5)
     else:
         harness.add(REJOINED, 1)
     try:
