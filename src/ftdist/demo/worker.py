@@ -131,10 +131,21 @@ class _Batches:
     """The batch of each step, from ftdist's sampler, as a function of the step.
 
     A replica that heals to step s continues with step s's batch, so where the
-    data stands is part of the committed state without being saved.
+    data stands is part of the committed state without being saved. Group
+    rank ``group_rank`` of a replica group of ``group_size`` ranks reads its
+    own shard (the chaos suite's groups have several ranks).
     """
 
-    def __init__(self, data: Any, replica: int, replicas: int, batch_size: int, seed: int) -> None:
+    def __init__(
+        self,
+        data: Any,
+        replica: int,
+        replicas: int,
+        batch_size: int,
+        seed: int,
+        group_rank: int = 0,
+        group_size: int = 1,
+    ) -> None:
         from ftdist.data import DistributedSampler
 
         self._data = data
@@ -143,8 +154,8 @@ class _Batches:
             data,
             replica_rank=replica,
             num_replica_groups=replicas,
-            group_rank=0,
-            num_replicas=1,
+            group_rank=group_rank,
+            num_replicas=group_size,
             shuffle=True,
             seed=seed,
             drop_last=True,
