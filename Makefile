@@ -8,6 +8,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ftdist-installed
 # Extra pytest arguments, e.g. PYTEST_ARGS="-m unit" or "-k manager".
 PYTEST_ARGS ?=
+# Test processes for `make pytest`/`test-fast` (pytest-xdist; 0: run in this
+# one). Most tests wait on processes, sockets and timeouts rather than
+# compute, so two workers take about half the time even on 2 cores; each
+# test file stays on one worker (module fixtures are built once).
+PYTEST_WORKERS ?= 2
+XDIST := -n $(PYTEST_WORKERS) --dist loadfile
 SOURCES := src tests bench examples
 
 .PHONY: setup setup-browser demo chaos check test pytest test-unit test-fast lint format typecheck \
@@ -54,14 +60,14 @@ test: check
 # The tests alone: every tier (unit, integration, slow; browser when
 # Chromium is installed; gpu when CUDA is); about 5 minutes on 2 cores.
 pytest: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-unit: setup
 	$(PY) -m pytest -m unit $(PYTEST_ARGS)
 
 # Everything but the slow and browser tiers: a quick loop while editing.
 test-fast: setup
-	$(PY) -m pytest -m "not slow and not browser" $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m "not slow and not browser" $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check $(SOURCES)
@@ -80,6 +86,7 @@ bench: setup
 	$(PY) bench/recovery.py
 	$(PY) bench/coordinator.py
 	$(PY) bench/launch.py
+	$(PY) bench/local_sgd.py
 
 # Regenerates the committed protobuf modules from src/ftdist/_rpc/proto.
 proto: setup

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import random
 import re
 import shutil
 import subprocess
@@ -117,10 +116,14 @@ def remove_stale() -> list[str]:
 
 def _free_subnet() -> str:
     used = set(re.findall(r"inet 10\.213\.(\d+)\.", _ip("-4", "addr", check=False).stdout))
-    free = [n for n in range(1, 255) if str(n) not in used]
-    if not free:
-        raise NetworkError("no free 10.213.N.0/24 subnet on this machine")
-    return f"10.213.{random.choice(free)}"
+    # Start from a subnet derived from the pid: two runs creating their
+    # networks at the same moment (parallel test workers) both see the same
+    # free list, and a random pick could collide.
+    start = os.getpid() % 254
+    for n in (1 + (start + i) % 254 for i in range(254)):
+        if str(n) not in used:
+            return f"10.213.{n}"
+    raise NetworkError("no free 10.213.N.0/24 subnet on this machine")
 
 
 @dataclass

@@ -175,7 +175,8 @@ class _Child:
     def exitcode(self) -> int | None:
         """The child's exit code (negative: killed by that signal), or None while it runs."""
         with self._proc_lock:
-            return self.proc.exitcode
+            code: int | None = self.proc.exitcode
+        return code
 
     def join(self, timeout: float) -> int | None:
         """Wait up to ``timeout`` seconds for the child to exit.
@@ -190,7 +191,10 @@ class _Child:
         self, kind: str, store_addr: str, rank: int, world_size: int, device: int | None
     ) -> None:
         self.conn.send(("configure", kind, store_addr, rank, world_size, self.timeout, device))
-        limit = (self.timeout + WAIT_MARGIN).total_seconds()
+        # The child bounds its own connect by timeout + WAIT_MARGIN (Gloo
+        # ignores its timeout across a partition); wait one margin longer so
+        # that its precise error, not this backstop, reports a slow peer.
+        limit = (self.timeout + 2 * WAIT_MARGIN).total_seconds()
         if not self.conn.poll(limit):
             raise CollectiveTimeoutError(
                 f"{self.describe()}: configure timed out after {limit} seconds (no answer)"
