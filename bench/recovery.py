@@ -373,7 +373,7 @@ def failover_rank(
             )
         return {
             "attempts": attempts,
-            "timeout_s": manager._settings.timeout.total_seconds(),
+            "timeout_s": manager._config.timeout.total_seconds(),
             "pg_timeout_s": pg._timeout.total_seconds(),
         }
     finally:
