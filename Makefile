@@ -10,7 +10,7 @@ STAMP := $(VENV)/.ftdist-installed
 PYTEST_ARGS ?=
 SOURCES := src tests bench examples
 
-.PHONY: setup setup-browser demo check test pytest test-unit test-fast lint format typecheck \
+.PHONY: setup setup-browser demo chaos check test pytest test-unit test-fast lint format typecheck \
 	bench proto clean
 
 $(PY):
@@ -36,6 +36,15 @@ setup-browser: setup
 DEMO_ARGS ?=
 demo: setup
 	$(VENV)/bin/ftdist demo --baseline $(DEMO_ARGS)
+
+# The chaos suite (docs/chaos.md): 10 minutes of training under kills, stops,
+# mid-heal kills, a lighthouse restart and network partitions (namespaces:
+# needs root; without it the partitions are skipped, loudly), then the
+# figures. Not part of `make test`; CI runs the short version as a slow test.
+# CHAOS_ARGS adds flags (e.g. --seed 3, --duration 120).
+CHAOS_ARGS ?=
+chaos: setup
+	$(VENV)/bin/ftdist chaos $(CHAOS_ARGS)
 
 # Every check CI runs (.ci/run): lint, format, types, then the test tiers.
 check: lint typecheck pytest

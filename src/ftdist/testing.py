@@ -182,6 +182,7 @@ class FakeProcessGroup(ProcessGroup):
 
     Every collective completes at once. An allreduce with ``SUM`` multiplies
     the tensors by the world size (each peer contributed the same values);
+    ``all_gather_single`` fills every peer's slot with this rank's input;
     other collectives leave their tensors as they are.
 
     Attributes:
@@ -236,6 +237,9 @@ class FakeProcessGroup(ProcessGroup):
             if opts.reduceOp == dist.ReduceOp.SUM:
                 for t in tensors:
                     t.mul_(self.size())
+        elif op == "all_gather_single":
+            output, inp = args[0], args[1]
+            output.view(self.size(), -1).copy_(inp.reshape(1, -1).expand(self.size(), -1))
         if post is not None:
             post()
         return CompletedWork(args[0] if args else None)

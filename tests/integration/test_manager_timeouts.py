@@ -51,11 +51,12 @@ def _hung_child_in_backward(ctx: RankContext) -> dict[str, Any]:
         opt.zero_grad()
         ddp(torch.ones(2, 4)).sum().backward()  # the hook's future must complete
         committed = manager.should_commit()
-        child.proc.join(timeout=10)
         return {
             "committed": committed,
             "error": repr(manager.errored()),
-            "child_exit": child.proc.exitcode,
+            # The reaper thread joins the child too: read its exit code
+            # through the handle that serialises the two.
+            "child_exit": child.join(timeout=10),
         }
     finally:
         manager.shutdown()

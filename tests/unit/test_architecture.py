@@ -23,6 +23,7 @@ PURE = [
     "demo/schedule.py",
     "launch/layout.py",
     "launch/policy.py",
+    "chaos/schedule.py",
 ]
 IMPURE_IMPORTS = {"socket", "threading", "grpc", "torch.distributed", "subprocess", "asyncio"}
 

@@ -5,7 +5,8 @@ Command line
 ``ftdist`` is one console script with a subcommand per tool; each lives in a
 module of this package and registers itself here: ``lighthouse``
 (:mod:`~ftdist.cli.lighthouse`), ``status`` (:mod:`~ftdist.cli.status`), ``demo``
-(:mod:`~ftdist.cli.demo`) and ``run`` (:mod:`~ftdist.cli.run`). Nothing here imports torch until a
+(:mod:`~ftdist.cli.demo`), ``run`` (:mod:`~ftdist.cli.run`) and ``chaos``
+(:mod:`~ftdist.cli.chaos`). Nothing here imports torch until a
 subcommand needs it.
 """
 
@@ -23,12 +24,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    from ftdist.cli import demo, lighthouse, run, status
+    from ftdist.cli import chaos, demo, lighthouse, run, status
 
     lighthouse.register(sub)
     status.register(sub)
     demo.register(sub)
     run.register(sub)
+    chaos.register(sub)
     return parser
 
 

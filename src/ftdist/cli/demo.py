@@ -87,6 +87,20 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--plain", action="store_true", help="plain line-by-line output even on a terminal"
     )
+    parser.add_argument(
+        "--algorithm",
+        choices=["ddp", "diloco"],
+        default=d.algorithm,
+        help="ddp: allreduce the gradients every step (default); diloco: train locally, "
+        "sync an outer optimizer every --sync-every steps (ftdist.local_sgd.DiLoCo)",
+    )
+    parser.add_argument(
+        "--sync-every",
+        type=int,
+        default=d.sync_every,
+        metavar="N",
+        help=f"DiLoCo's inner steps per sync (default {d.sync_every})",
+    )
     parser.set_defaults(handler=_handle)
     return parser
 
@@ -103,6 +117,8 @@ def _handle(args: argparse.Namespace) -> int:
             out=args.out,
             lighthouse=args.lighthouse,
             plain=args.plain,
+            algorithm=args.algorithm,
+            sync_every=args.sync_every,
         )
     except (TypeError, ValueError) as exc:
         print(f"ftdist demo: {exc}", file=sys.stderr)

@@ -73,10 +73,12 @@ def verdict(record: RunRecord) -> dict[str, Any]:
             + ", ".join(f"{k} {v[:12]}" for k, v in hashes.items())
         )
     else:
+        what = next(iter(finals.values()), None) or {}
         out["ok"] = True
         out["reason"] = (
-            f"all {len(hashes)} replica groups hold bit-identical weights and "
-            f"optimizer state at step {next(iter(steps.values()))}"
+            f"all {len(hashes)} replica groups hold bit-identical "
+            f"{what.get('what', 'weights and optimizer state')} at step "
+            f"{next(iter(steps.values()))}"
         )
     return out
 
@@ -226,7 +228,10 @@ def render_text(report: dict[str, Any]) -> str:
     for note in run["notes"]:
         lines.append(f"note: {note}")
     v = report["verdict"]
-    lines.append("final state hashes (SHA-256 of weights + optimizer state):")
+    what = "weights + optimizer state"
+    if report.get("options", {}).get("algorithm") == "diloco":
+        what = "DiLoCo's global weights + outer optimizer state"
+    lines.append(f"final state hashes (SHA-256 of {what}):")
     for name, h in v["hashes"].items():
         lines.append(f"  {name}: {h}  (step {v['steps'].get(name)})")
     lines.append("")

@@ -45,6 +45,8 @@ STEP_INTERVAL_S = 0.1
 MAX_DURATION_S = 24 * 3600.0
 MIN_KILL_EVERY_S = 2.0
 EVENTS_DIR = "events"
+ALGORITHMS = ("ddp", "diloco")
+MAX_SYNC_EVERY = 1000
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,10 @@ class DemoConfig:
         out: directory for ``report.json``, ``report.png`` and the events.
         lighthouse: join this lighthouse instead of embedding one.
         plain: print plain lines even on a terminal.
+        algorithm: ``"ddp"`` (an allreduce of the gradients every step) or
+            ``"diloco"`` (:class:`ftdist.local_sgd.DiLoCo`: local steps, a
+            sync of the pseudo-gradients every ``sync_every`` of them).
+        sync_every: DiLoCo's inner steps per sync (one demo step).
 
     Raises:
         ValueError: naming the bad option and a valid range.
@@ -75,6 +81,8 @@ class DemoConfig:
     out: str = "ftdist-demo"
     lighthouse: str | None = None
     plain: bool = False
+    algorithm: str = "ddp"
+    sync_every: int = 10
 
     def __post_init__(self) -> None:
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int):
@@ -107,6 +115,16 @@ class DemoConfig:
         if os.path.exists(self.out) and not os.path.isdir(self.out):
             raise ValueError(
                 f"--out {self.out!r} is a file; name a directory (it is created if missing)"
+            )
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"--algorithm {self.algorithm!r}: give one of {', '.join(ALGORITHMS)}")
+        if (
+            isinstance(self.sync_every, bool)
+            or not isinstance(self.sync_every, int)
+            or not 1 <= self.sync_every <= MAX_SYNC_EVERY
+        ):
+            raise ValueError(
+                f"--sync-every {self.sync_every!r}: give 1 to {MAX_SYNC_EVERY} inner steps"
             )
         if self.lighthouse is not None and ":" not in self.lighthouse:
             raise ValueError(
@@ -240,9 +258,14 @@ def run_demo(opts: DemoConfig, stream: TextIO | None = None) -> int:
             else []
         )
         planned = ", ".join(f"{i.kind} at {i.at_s:.0f} s" for i in plan) or "none"
+        algorithm = (
+            f"DiLoCo (a sync every {opts.sync_every} inner steps; one step = one sync)"
+            if opts.algorithm == "diloco"
+            else "DDP"
+        )
         view.message(
-            f"{opts.replicas} replica groups, {opts.duration_s:g} s, seed {opts.seed}; "
-            f"failure plan (seconds of training): {planned}"
+            f"{opts.replicas} replica groups, {algorithm}, {opts.duration_s:g} s, seed "
+            f"{opts.seed}; failure plan (seconds of training): {planned}"
         )
         if interrupt.count:
             view.message("Ctrl-C before the run started: nothing to report")
@@ -255,6 +278,8 @@ def run_demo(opts: DemoConfig, stream: TextIO | None = None) -> int:
             replicas=opts.replicas,
             run=f"demo-{run_id}-",
             step_interval_s=STEP_INTERVAL_S,
+            algorithm=opts.algorithm,
+            sync_every=opts.sync_every,
         )
         name = "failures" if opts.failures else "no-failures"
         main = Supervisor(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -81,8 +82,13 @@ def state_hash(model: nn.Module, optim: torch.optim.Optimizer) -> str:
 
     Two replicas with the same hash hold bit-identical training state.
     """
+    return weights_hash(model.state_dict(), optim)
+
+
+def weights_hash(weights: Mapping[str, torch.Tensor], optim: torch.optim.Optimizer) -> str:
+    """SHA-256 over named tensors (DiLoCo's global weights, say) and an optimizer's state."""
     h = hashlib.sha256()
-    for name, t in model.state_dict().items():
+    for name, t in weights.items():
         h.update(name.encode())
         h.update(t.detach().contiguous().numpy().tobytes())
     for key, st in sorted(optim.state_dict()["state"].items()):

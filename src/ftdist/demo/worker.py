@@ -43,6 +43,8 @@ START_WAIT_S = 60.0
 FINISH_WAIT_S = 40.0
 FINISH_ROUND_EVERY_S = 1.0
 FINISH_ROUND_TIMEOUT = timedelta(seconds=3)
+# DiLoCo's outer learning rate (Nesterov momentum 0.9, as in the paper).
+OUTER_LR = 0.7
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,9 @@ class WorkerConfig:
         train_size: training points.
         eval_size: held-out points.
         timeout_s: collective and transfer timeout of the Manager.
+        algorithm: ``"ddp"`` or ``"diloco"`` (one demo step is then one
+            sync of ``sync_every`` inner steps).
+        sync_every: DiLoCo's inner steps per sync.
     """
 
     lighthouse: str
@@ -74,6 +79,8 @@ class WorkerConfig:
     train_size: int = 6000
     eval_size: int = 2000
     timeout_s: float = 5.0
+    algorithm: str = "ddp"
+    sync_every: int = 10
 
 
 class EventLog:
@@ -124,10 +131,21 @@ class _Batches:
     """The batch of each step, from ftdist's sampler, as a function of the step.
 
     A replica that heals to step s continues with step s's batch, so where the
-    data stands is part of the committed state without being saved.
+    data stands is part of the committed state without being saved. Group
+    rank ``group_rank`` of a replica group of ``group_size`` ranks reads its
+    own shard (the chaos suite's groups have several ranks).
     """
 
-    def __init__(self, data: Any, replica: int, replicas: int, batch_size: int, seed: int) -> None:
+    def __init__(
+        self,
+        data: Any,
+        replica: int,
+        replicas: int,
+        batch_size: int,
+        seed: int,
+        group_rank: int = 0,
+        group_size: int = 1,
+    ) -> None:
         from ftdist.data import DistributedSampler
 
         self._data = data
@@ -136,8 +154,8 @@ class _Batches:
             data,
             replica_rank=replica,
             num_replica_groups=replicas,
-            group_rank=0,
-            num_replicas=1,
+            group_rank=group_rank,
+            num_replicas=group_size,
             shuffle=True,
             seed=seed,
             drop_last=True,
@@ -198,9 +216,7 @@ def replica_main(ctx: RankContext, cfg: WorkerConfig, attempt: int) -> None:
     """
     # Ctrl-C reaches the whole process group; the supervisor decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from ftdist.ddp import DistributedDataParallel
     from ftdist.manager import Manager
-    from ftdist.optim import OptimizerWrapper
     from ftdist.process_group import ProcessGroupGloo
 
     replica = ctx.rank
@@ -234,6 +250,8 @@ def replica_main(ctx: RankContext, cfg: WorkerConfig, attempt: int) -> None:
         timeout=timeout,
         quorum_timeout=timedelta(seconds=30),
         connect_timeout=timedelta(seconds=10),
+        # DiLoCo needs a heal applied before it takes its pseudo-gradients.
+        use_async_quorum=cfg.algorithm != "diloco",
     )
     log.emit("up", pid=os.getpid(), attempt=attempt, replica_id=manager.replica_id())
     if attempt == 0:
@@ -243,46 +261,18 @@ def replica_main(ctx: RankContext, cfg: WorkerConfig, attempt: int) -> None:
         deadline = time.monotonic() + START_WAIT_S
         while int(control.add(UP_KEY, 0)) < cfg.replicas and time.monotonic() < deadline:
             time.sleep(0.02)
-    ddp = DistributedDataParallel(manager, model)
-    opt = OptimizerWrapper(manager, optim)
-    heals_seen = 0
-    stop: int | None = None
     try:
-        while True:
-            began = time.monotonic()
-            step = manager.current_step()
-            if stop is None and control.check([STOP_KEY]):
-                stop = int(control.get(STOP_KEY))  # set once per run: read it once
-            if stop is not None and step >= stop:
-                break
-            opt.zero_grad()
-            x, y = batches(step)
-            loss = nn.functional.cross_entropy(ddp(x), y)
-            loss.backward()
-            opt.step()
-            committed = manager.current_step() > step
-            error = manager.errored()
-            log.emit(
-                "step",
-                step=step,
-                ok=committed,
-                loss=loss.item(),
-                quorum_id=manager.quorum_id(),
-                participants=manager.num_participants(),
-                participating=manager.is_participating(),
-                error=str(error).splitlines()[0] if error and not committed else None,
-            )
-            for timeline in manager.heal_timelines[heals_seen:]:
-                log.emit("heal", **timeline.as_dict())
-            heals_seen = len(manager.heal_timelines)
-            spare = cfg.step_interval_s - (time.monotonic() - began)
-            if spare > 0:
-                time.sleep(spare)
+        if cfg.algorithm == "diloco":
+            digest, what = _train_diloco(cfg, manager, model, optim, batches, control, log)
+        else:
+            _train_ddp(cfg, manager, model, optim, batches, control, log)
+            digest, what = task.state_hash(model, optim), "weights and optimizer state"
         eval_loss, accuracy = task.evaluate(model, held_out)
         log.emit(
             "final",
             step=manager.current_step(),
-            hash=task.state_hash(model, optim),
+            hash=digest,
+            what=what,
             eval_loss=eval_loss,
             accuracy=accuracy,
         )
@@ -292,3 +282,124 @@ def replica_main(ctx: RankContext, cfg: WorkerConfig, attempt: int) -> None:
         pg.shutdown()
         log.close()
         del own_store
+
+
+def _read_stop(control: Any, stop: int | None) -> int | None:
+    if stop is None and control.check([STOP_KEY]):
+        return int(control.get(STOP_KEY))  # set once per run: read it once
+    return stop
+
+
+def _train_ddp(
+    cfg: WorkerConfig,
+    manager: Any,
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    batches: _Batches,
+    control: Any,
+    log: EventLog,
+) -> None:
+    """One allreduce of the gradients per step, until the stop step."""
+    from ftdist.ddp import DistributedDataParallel
+    from ftdist.optim import OptimizerWrapper
+
+    ddp = DistributedDataParallel(manager, model)
+    opt = OptimizerWrapper(manager, optim)
+    heals_seen = 0
+    stop: int | None = None
+    while True:
+        began = time.monotonic()
+        step = manager.current_step()
+        stop = _read_stop(control, stop)
+        if stop is not None and step >= stop:
+            break
+        opt.zero_grad()
+        x, y = batches(step)
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        loss.backward()
+        opt.step()
+        committed = manager.current_step() > step
+        error = manager.errored()
+        log.emit(
+            "step",
+            step=step,
+            ok=committed,
+            loss=loss.item(),
+            quorum_id=manager.quorum_id(),
+            participants=manager.num_participants(),
+            participating=manager.is_participating(),
+            error=str(error).splitlines()[0] if error and not committed else None,
+        )
+        for timeline in manager.heal_timelines[heals_seen:]:
+            log.emit("heal", **timeline.as_dict())
+        heals_seen = len(manager.heal_timelines)
+        spare = cfg.step_interval_s - (time.monotonic() - began)
+        if spare > 0:
+            time.sleep(spare)
+
+
+def _train_diloco(
+    cfg: WorkerConfig,
+    manager: Any,
+    model: nn.Module,
+    inner: torch.optim.Optimizer,
+    batches: _Batches,
+    control: Any,
+    log: EventLog,
+) -> tuple[str, str]:
+    """DiLoCo: ``sync_every`` local AdamW steps per demo step, then a sync.
+
+    Each sync is one demo step (one Manager step); its loss is the mean of
+    the inner steps' losses. A replica that heals takes the data of the
+    step it heals to, as the DDP loop does.
+
+    Returns:
+        The hash of the global state at the stop step, and what it covers.
+    """
+    from ftdist.local_sgd import DiLoCo
+
+    outer = torch.optim.SGD(model.parameters(), lr=OUTER_LR, momentum=0.9, nesterov=True)
+    diloco = DiLoCo(manager, model, inner, outer, sync_every=cfg.sync_every)
+    heals_seen = 0
+    stop: int | None = None
+    losses: list[float] = []
+    interval = cfg.step_interval_s / cfg.sync_every
+    with diloco:
+        while True:
+            began = time.monotonic()
+            step, local = manager.current_step(), diloco._local_step
+            if local == 0:
+                stop = _read_stop(control, stop)
+                if stop is not None and step >= stop:
+                    break
+            x, y = batches(step * cfg.sync_every + local)
+            inner.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            losses.append(loss.item())
+            inner.step()  # the last inner step of a period also syncs
+            if diloco._local_step == 0:
+                timelines = manager.heal_timelines[heals_seen:]
+                heals_seen = len(manager.heal_timelines)
+                healed = [t.step for t in timelines if t.role == "receive"]
+                sync_step = healed[-1] if healed else step
+                committed = manager.current_step() == sync_step + 1
+                error = manager.errored()
+                log.emit(
+                    "step",
+                    step=sync_step,
+                    ok=committed,
+                    loss=sum(losses) / len(losses),
+                    quorum_id=manager.quorum_id(),
+                    participants=manager.num_participants(),
+                    participating=manager.is_participating(),
+                    error=str(error).splitlines()[0] if error and not committed else None,
+                )
+                for timeline in timelines:
+                    log.emit("heal", **timeline.as_dict())
+                losses = []
+            spare = interval - (time.monotonic() - began)
+            if spare > 0:
+                time.sleep(spare)
+    digest = task.weights_hash(diloco.original_parameters, outer)
+    return digest, "global weights and outer optimizer state"

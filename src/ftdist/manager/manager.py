@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from ftdist.checkpointing import CheckpointTransport, HTTPTransport
+from ftdist.collectives import check_allreduce, start_allreduce
 from ftdist.errors import (
     CollectiveTimeoutError,
     ExceptionWithTraceback,
@@ -288,6 +289,8 @@ class Manager(TorchftInternals, StateRegistration):
         """Start this step's quorum (in the background unless ``use_async_quorum=False``).
 
         A failed previous quorum does not stop this one: each step starts afresh.
+        With ``use_async_quorum=False`` a received state (and its step) is
+        applied before this returns, as DiLoCo needs.
 
         Args:
             allow_heal: heal (or serve peers) if needed; with False this
@@ -325,6 +328,7 @@ class Manager(TorchftInternals, StateRegistration):
         )
         if not self._use_async_quorum:
             self.wait_quorum()
+            self._await_round()  # takes the outcome, so that its heal is applied now
             self._settle_heal(self._timeout)
 
     def wait_quorum(self) -> None:
@@ -420,7 +424,7 @@ class Manager(TorchftInternals, StateRegistration):
     def allreduce(
         self,
         tensor: torch.Tensor,
-        should_quantize: bool = False,
+        should_quantize: bool | str = False,
         reduce_op: dist.ReduceOp.RedOpType = dist.ReduceOp.AVG,
     ) -> AllreduceResult:
         """Fault-tolerant allreduce of ``tensor``, in place, over the participants.
@@ -429,21 +433,18 @@ class Manager(TorchftInternals, StateRegistration):
         healing (or a spare) contributes zeros. So does a replica whose step
         already failed: it still takes part, so that its peers are not left
         waiting, and votes no. Errors are recorded, never raised.
-        ``should_quantize`` is accepted for torchft compatibility; the
-        reduction runs at full precision.
+        ``should_quantize`` (True or ``"int8"``, or ``"bf16"``) sends the
+        tensor quantized: see :mod:`ftdist.collectives` for the error bound.
 
         Returns:
             An :class:`~ftdist.manager.work.AllreduceResult`: a future of the
             tensor that is also a ``Work`` (``wait()``, ``get_future()``).
 
         Raises:
-            ValueError: ``AVG`` of a tensor that is not floating point.
+            ValueError: ``AVG`` of a tensor that is not floating point, or a
+                ``should_quantize`` that names no format.
         """
-        if reduce_op == dist.ReduceOp.AVG and not tensor.is_floating_point():
-            raise ValueError(
-                f"ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}; "
-                "use ReduceOp.SUM and divide"
-            )
+        mode = check_allreduce(tensor, reduce_op, should_quantize)
         outcome = self._await_round()
         if outcome is None or not outcome.configured:
             return AllreduceResult(self, None, tensor, None, self._timeout)
@@ -453,7 +454,7 @@ class Manager(TorchftInternals, StateRegistration):
         if reduce_op == dist.ReduceOp.AVG:
             op, divisor = dist.ReduceOp.SUM, self._participating_replica_world_size
         try:
-            work = self._pg.allreduce([tensor], op)
+            work = start_allreduce(self._pg, tensor, op, mode)
         except Exception as exc:
             self.report_error(exc)
             return AllreduceResult(self, None, tensor, None, self._timeout)

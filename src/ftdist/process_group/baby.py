@@ -22,6 +22,7 @@ import logging
 import threading
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_for
 from typing import Any
 
 import torch
@@ -162,10 +163,28 @@ class _Child:
         self.dead: Exception | None = None
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        # A forkserver child's exit code is one int on a pipe: two threads
+        # polling at once both see it readable, one reads it and the other
+        # reads EOF, which multiprocessing reports as exit code 255.
+        self._proc_lock = threading.Lock()
         self._reader: threading.Thread | None = None
 
     def describe(self) -> str:
         return f"{self.label} (child pid {self.proc.pid})"
+
+    def exitcode(self) -> int | None:
+        """The child's exit code (negative: killed by that signal), or None while it runs."""
+        with self._proc_lock:
+            return self.proc.exitcode
+
+    def join(self, timeout: float) -> int | None:
+        """Wait up to ``timeout`` seconds for the child to exit.
+
+        Returns:
+            The exit code, or None if the child still runs.
+        """
+        wait_for([self.proc.sentinel], timeout)
+        return self.exitcode()
 
     def configure(
         self, kind: str, store_addr: str, rank: int, world_size: int, device: int | None
@@ -229,12 +248,8 @@ class _Child:
                     else None
                 )
                 work._complete(error, extra)
-        self.proc.join(timeout=1)
-        self.kill(
-            BackendProcessError(
-                f"{self.describe()} exited unexpectedly (exit code {self.proc.exitcode})"
-            )
-        )
+        code = self.join(timeout=1)
+        self.kill(BackendProcessError(f"{self.describe()} exited unexpectedly (exit code {code})"))
 
     def fail_pending(self, reason: Exception) -> None:
         """Mark the child dead and fail every op still pending with ``reason``."""
@@ -248,15 +263,16 @@ class _Child:
     def kill(self, reason: Exception) -> None:
         """Kill the child and fail every op still pending with ``reason``."""
         self.fail_pending(reason)
-        if self.proc.exitcode is None:
-            self.proc.kill()
+        with self._proc_lock:
+            if self.proc.exitcode is None:
+                self.proc.kill()
         try:
             self.conn.close()
         except OSError:
             pass
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(timeout=5)
-        self.proc.join(timeout=5)
+        self.join(timeout=5)
 
 
 def _flatten(obj: Any) -> list[Any]:

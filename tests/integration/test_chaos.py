@@ -1,0 +1,82 @@
+"""``ftdist chaos --short`` end to end: the CI version of the chaos suite.
+
+Three replica groups of two ranks train for 60 s while every kind of
+injection strikes at least once (partitions only where network namespaces
+can be made: root). The suite runs as a subprocess, as ``make chaos`` runs
+it, with a unique environment token, so the test can prove afterwards that
+no process of it outlived it, and no namespace either.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ftdist.chaos import netns, schedule
+from tests._procs import processes_with
+
+NAMESPACES = netns.unavailable() is None
+
+
+def _namespaces_of(pid: int) -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
+    prefix = f"{netns.NS_PREFIX}{pid}-"
+    return [line.split()[0] for line in out.stdout.splitlines() if line.startswith(prefix)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_short_chaos_run_passes_with_every_kind_struck(tmp_path: Path) -> None:
+    token = uuid.uuid4().hex
+    env = {**os.environ, "FTDIST_CHAOS_TEST_TOKEN": token, "PYTHONUNBUFFERED": "1"}
+    out = tmp_path / "chaos"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ftdist.cli", "chaos", "--short", "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        stdout, _ = proc.communicate(timeout=220)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=10)
+        for pid in processes_with(f"FTDIST_CHAOS_TEST_TOKEN={token}"):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert proc.returncode == 0, stdout[-6000:]
+    assert "VERDICT: PASS" in stdout
+    report = json.loads((out / "report.json").read_text())
+    assert report["verdict"]["ok"], report["verdict"]
+    assert report["divergence"]["ok"] and len(report["divergence"]["hashes"]) == 6
+    assert report["hangs"] == [] and report["leaks"] == []
+    assert report["unexpected_exits"] == []
+    struck = {kind for kind, k in report["by_kind"].items() if k["struck"]}
+    required = {schedule.KILL, schedule.STOP, schedule.KILL_SOURCE, schedule.LIGHTHOUSE}
+    assert required <= struck, (struck, stdout[-4000:])
+    if NAMESPACES:
+        assert struck & set(schedule.PARTITIONS), struck
+        assert report["partitions_skipped"] is None
+        assert _namespaces_of(proc.pid) == [], "namespaces outlived the run"
+    else:
+        assert "partitions SKIPPED" in stdout
+    mid = [r for r in report["injections"] if r["kind"] == schedule.KILL_SOURCE]
+    assert any(r["outcome"] == "done" and "mid-heal" in r["detail"] for r in mid), mid
+    # Trainers watch the suite's process and exit with it.
+    deadline = time.monotonic() + 15
+    while processes_with(f"FTDIST_CHAOS_TEST_TOKEN={token}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_with(f"FTDIST_CHAOS_TEST_TOKEN={token}") == []

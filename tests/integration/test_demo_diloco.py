@@ -1,0 +1,49 @@
+"""``ftdist demo --algorithm diloco``: DiLoCo under injected failures, end to end."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_demo import DemoProcess
+
+
+@pytest.fixture
+def runs(tmp_path: Path) -> Iterator[list[DemoProcess]]:
+    started: list[DemoProcess] = []
+    yield started
+    for d in started:
+        d.kill_all()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_diloco_demo_with_failures_ends_with_one_global_state(
+    tmp_path: Path, runs: list[DemoProcess]
+) -> None:
+    run = DemoProcess(
+        ["--algorithm", "diloco", "--sync-every", "5", "--duration", "12", "--kill-every", "4"],
+        tmp_path / "out",
+    )
+    runs.append(run)
+    code, stdout = run.finish(timeout=170)
+    assert code == 0, stdout
+    assert "VERDICT: PASS" in stdout and "DiLoCo" in stdout
+    report = run.report()
+    assert report["options"]["algorithm"] == "diloco" and report["options"]["sync_every"] == 5
+    verdict = report["verdict"]
+    assert verdict["ok"] is True, verdict
+    assert len(verdict["hashes"]) == 3 and len(set(verdict["hashes"].values())) == 1
+    assert "global weights and outer optimizer state" in verdict["reason"]
+    main = report["run"]
+    assert main["injections"], "no failure was injected"
+    for injection in main["injections"]:
+        assert injection["back_s"] is not None, injection
+    # Every victim came back by healing the global state from a survivor.
+    recoveries = [h for h in main["heals"] if h["role"] == "receive" and h["step"] > 1]
+    assert len(recoveries) >= len(main["injections"])
+    assert main["unexpected_exits"] == []
+    assert main["loss"]["last"] < main["loss"]["first"], main["loss"]
+    run.assert_nothing_left()

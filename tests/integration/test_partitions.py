@@ -1,0 +1,71 @@
+"""Process groups across a real network partition (network namespaces; root only).
+
+Each rank lives in a network namespace of its own (:mod:`ftdist.chaos.netns`);
+a partition routes the peer's address into a sink, so packets vanish as on
+a real network instead of failing fast.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from ftdist.chaos import netns
+from ftdist.launch.ranks import RankContext, run_ranks
+
+WHY_NOT = netns.unavailable()
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"no namespaces: {WHY_NOT}")
+
+
+@pytest.fixture
+def network() -> Iterator[netns.ChaosNetwork]:
+    net = netns.ChaosNetwork(2).create()
+    try:
+        yield net
+    finally:
+        net.destroy()
+
+
+def _configure(ctx: RankContext, where: dict[str, Any], timeout_s: float) -> tuple[float, str]:
+    netns.enter(where["namespaces"][ctx.rank])
+    os.environ["GLOO_SOCKET_IFNAME"] = netns.INNER_IFNAME
+    from ftdist.process_group import ProcessGroupGloo
+
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=timeout_s))
+    began = time.monotonic()
+    try:
+        pg.configure(f"{where['control']}:{ctx.store_port}/{ctx.prefix}/pg", ctx.rank, 2)
+    except RuntimeError as exc:
+        return time.monotonic() - began, str(exc)
+    finally:
+        pg.shutdown()
+    return time.monotonic() - began, ""
+
+
+@pytest.mark.timeout(90)
+def test_gloo_configure_across_a_partition_fails_within_its_timeout(
+    network: netns.ChaosNetwork,
+) -> None:
+    # Gloo alone gives up after about five times its timeout when packets
+    # vanish (20 s here); a configure must honour the timeout it was given.
+    timeout_s = 4.0
+    network.cut(1, [network.group_host(0)])
+    where = {"namespaces": network.namespaces, "control": network.control_host}
+    results = run_ranks(_configure, 2, where, timeout_s, timeout=80)
+    for elapsed, error in results:
+        assert error, "configure succeeded across a partition"
+        assert elapsed < 2.5 * timeout_s, f"configure took {elapsed:.1f} s: {error}"
+
+
+@pytest.mark.timeout(90)
+def test_gloo_configures_once_the_partition_is_lifted(network: netns.ChaosNetwork) -> None:
+    network.cut(1, [network.group_host(0)])
+    network.heal(1)
+    where = {"namespaces": network.namespaces, "control": network.control_host}
+    results = run_ranks(_configure, 2, where, 10.0, timeout=80)
+    assert [error for _, error in results] == ["", ""]
