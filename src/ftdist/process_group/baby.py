@@ -175,7 +175,8 @@ class _Child:
     def exitcode(self) -> int | None:
         """The child's exit code (negative: killed by that signal), or None while it runs."""
         with self._proc_lock:
-            return self.proc.exitcode
+            code: int | None = self.proc.exitcode
+        return code
 
     def join(self, timeout: float) -> int | None:
         """Wait up to ``timeout`` seconds for the child to exit.
