@@ -191,6 +191,7 @@ class Manager(TorchftInternals, StateRegistration):
         self._batches_committed = 0
         self._commit_failures = 0
         self._errored: BaseException | None = None
+        self._group_failed = False  # a collective of this step failed
         self._quorum_future: Future[RoundOutcome] | None = None
         # This step's round, once the training thread has taken it.
         self._outcome: RoundOutcome | None = None
@@ -268,6 +269,7 @@ class Manager(TorchftInternals, StateRegistration):
 
     def _collective_failed(self, exc: BaseException) -> None:
         """A collective of this step failed or timed out (from its completion thread)."""
+        self._group_failed = True
         self.report_error(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
         if isinstance(exc, TimeoutError) and not isinstance(exc, CollectiveTimeoutError):
             self._membership.abort_stuck()  # our deadline, not the backend's
@@ -311,6 +313,7 @@ class Manager(TorchftInternals, StateRegistration):
             self._settle_heal(self._timeout)
         self._pending_work = []
         self._errored = None
+        self._group_failed = False
         self._outcome = None
         self._settled = False
         self._round.init_sync = self._init_sync
@@ -432,7 +435,9 @@ class Manager(TorchftInternals, StateRegistration):
         ``AVG`` divides by the number of participants. A replica that is
         healing (or a spare) contributes zeros. So does a replica whose step
         already failed: it still takes part, so that its peers are not left
-        waiting, and votes no. Errors are recorded, never raised.
+        waiting, and votes no; but once a collective of the step failed the
+        group is broken, and later ones return at once with ``tensor`` as it
+        is (as in torchft). Errors are recorded, never raised.
         ``should_quantize`` (True or ``"int8"``, or ``"bf16"``) sends the
         tensor quantized: see :mod:`ftdist.collectives` for the error bound.
 
@@ -446,7 +451,7 @@ class Manager(TorchftInternals, StateRegistration):
         """
         mode = check_allreduce(tensor, reduce_op, should_quantize)
         outcome = self._await_round()
-        if outcome is None or not outcome.configured:
+        if outcome is None or not outcome.configured or self._group_failed:
             return AllreduceResult(self, None, tensor, None, self._timeout)
         if self._errored is not None or not self.is_participating():
             tensor.zero_()
@@ -456,7 +461,7 @@ class Manager(TorchftInternals, StateRegistration):
         try:
             work = start_allreduce(self._pg, tensor, op, mode)
         except Exception as exc:
-            self.report_error(exc)
+            self._collective_failed(exc)
             return AllreduceResult(self, None, tensor, None, self._timeout)
         result = AllreduceResult(self, work, tensor, divisor, self._timeout)
         self._pending_work.append(result)
