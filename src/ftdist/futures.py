@@ -382,6 +382,15 @@ def when_done(
         ValueError: ``timeout`` is negative.
     """
     timeout = as_timedelta(timeout, "timeout", allow_zero=True)
+    if fut.done():
+        # Already complete (a dummy group's work, say): no timer to arm.
+        try:
+            result = fut.value()
+        except Exception as exc:
+            callback(None, exc)
+        else:
+            callback(result, None)
+        return
     lock = threading.Lock()
     settled = [False]
 

@@ -135,9 +135,34 @@ class FakeManagerClient:
         self._quorum_id = answer.quorum_id
         return answer
 
+    def _quorum(
+        self,
+        *,
+        group_rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        timeout: timedelta,
+        commit_failures: int = 0,
+        init_sync: bool = True,
+        fingerprint: dict[str, int] | None = None,
+        reconfigure_handle: str = "",
+    ) -> ManagerQuorumResult:
+        """:meth:`quorum` by torchft's name and keywords (what the Manager calls).
+
+        Raises:
+            BaseException: the scripted exception, if one is next.
+        """
+        return self.quorum(
+            group_rank, step, checkpoint_metadata, shrink_only, init_sync, commit_failures,
+            timeout, fingerprint,
+        )  # fmt: skip
+
     def checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
         """The :attr:`metadata` string."""
         return self.metadata
+
+    _checkpoint_metadata = checkpoint_metadata
 
     def should_commit(
         self, group_rank: int, step: int, should_commit: bool, timeout: timedelta

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from ftdist import _auth
 from ftdist.checkpointing import HTTPTransport, PGTransport, _wire
@@ -565,3 +566,31 @@ def test_pg_transport_explicit_timeout_wins_over_the_default(
             send()
             got = received.result(timeout=10)
     _assert_same(expected, got)
+
+
+@pytest.mark.timeout(30)
+def test_pg_transport_after_a_timed_out_transfer_fails_at_once_until_reconfigured(
+    gloo_pair: list[Any],
+) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    # torchft's multi-recovery test: a receive that times out, then a send to
+    # a peer that never receives; the send must not wait out its deadline.
+    a, b = (PGTransport(pg, timeout=TIMEOUT) for pg in gloo_pair)
+    with pytest.raises(RuntimeError, match=r"timed out after 0\.01 s"):
+        a.recv_checkpoint(1, "<n/a>", 1, timeout=timedelta(milliseconds=10))
+    assert gloo_pair[0].errored() is not None  # mid-message: the group was aborted
+    with pytest.raises(TimeoutError, match="an earlier transfer on this group timed out"):
+        a.send_checkpoint([1], 2, {"t": torch.arange(3)}, timeout=TIMEOUT)
+    # Reconfigured, the transport works again.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    with ThreadPoolExecutor(max_workers=2) as executor:
+        list(
+            executor.map(
+                lambda r: gloo_pair[r].configure(f"127.0.0.1:{store.port}/again", r, 2), range(2)
+            )
+        )
+        sent = executor.submit(a.send_checkpoint, [1], 3, {"t": torch.arange(3)}, TIMEOUT)
+        got = b.recv_checkpoint(0, "<n/a>", 3, timeout=TIMEOUT)
+        sent.result(timeout=20)
+    assert torch.equal(got["t"], torch.arange(3))

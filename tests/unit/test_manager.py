@@ -246,7 +246,7 @@ def test_serving_sends_user_and_manager_state(make: Any) -> None:
     assert (dst, at_step) == ([1], 0)
     # One state function: the seed-era layout, its state itself.
     assert sent["user"]["w"].tolist() == [2.0] * 3
-    assert sent["torchft"] == {"step": 0, "batches_committed": 0}
+    assert sent["ftdist"] == {"step": 0, "batches_committed": 0}
     assert transport.disallowed == 1
     assert [h.role for h in manager.heal_timelines] == ["send"]
 
@@ -254,7 +254,7 @@ def test_serving_sends_user_and_manager_state(make: Any) -> None:
 def test_a_diverged_minority_heals_instead_of_failing(make: Any) -> None:
     received = {
         "user": {"w": torch.full((3,), 7.0)},
-        "torchft": {"step": 0, "batches_committed": 0},
+        "ftdist": {"step": 0, "batches_committed": 0},
     }
     manager, client, _, model = make(transport=MemoryTransport(state=received))
     client.push_quorum(
@@ -350,7 +350,7 @@ def _heal_quorum(max_step: int = 5) -> Any:
 def _healed_state(value: float, step: int) -> dict[str, Any]:
     return {
         "user": {"w": torch.full((3,), value)},
-        "torchft": {"step": step, "batches_committed": 2 * step},
+        "ftdist": {"step": step, "batches_committed": 2 * step},
     }
 
 

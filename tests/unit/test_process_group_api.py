@@ -204,21 +204,67 @@ def test_dummy_accepts_world_one_only_and_discards() -> None:
 
 
 class _FakeManager:
+    """The Manager surface ManagedProcessGroup uses; errors are recorded, as a Manager does."""
+
     def __init__(self) -> None:
         self._pg = ProcessGroupDummy(0, 1)
         self.calls: list[tuple[float, object]] = []
         self.participants = 3
+        self.errors: list[Exception] = []
+        self.quorum_waits = 0
+        self.fail_with: Exception | None = None
 
     def allreduce(self, tensor: torch.Tensor, reduce_op: object = None) -> dist.Work:
         self.calls.append((float(tensor[0]), reduce_op))
+        if self.fail_with is not None:
+            fut: torch.futures.Future[object] = torch.futures.Future()
+            fut.set_exception(self.fail_with)
+            return _FailingWork(fut)
         tensor.mul_(2)
         return fpg.CompletedWork(tensor)
+
+    def wait_quorum(self) -> None:
+        self.quorum_waits += 1
+
+    def errored(self) -> Exception | None:
+        return self.errors[0] if self.errors else None
+
+    def report_error(self, e: Exception) -> None:
+        self.errors.append(e)
+
+    def wrap_future(
+        self, fut: torch.futures.Future[object], default: object, timeout: object = None
+    ) -> torch.futures.Future[object]:
+        out: torch.futures.Future[object] = torch.futures.Future()
+
+        def settle(f: torch.futures.Future[object]) -> None:
+            try:
+                out.set_result(f.value())
+            except Exception as exc:
+                self.report_error(exc)
+                out.set_result(default)
+
+        fut.add_done_callback(settle)
+        return out
 
     def num_participants(self) -> int:
         return self.participants
 
     def participating_rank(self) -> int | None:
         return 1
+
+
+class _FailingWork(dist._Work):
+    def __init__(self, fut: torch.futures.Future[object]) -> None:
+        super().__init__()
+        self._fut = fut
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self._fut.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future[object]:
+        return self._fut
 
 
 def test_managed_routes_allreduce_to_manager_and_reports_participants() -> None:
@@ -228,6 +274,7 @@ def test_managed_routes_allreduce_to_manager_and_reports_participants() -> None:
     dist.all_reduce(t, op=dist.ReduceOp.AVG, group=pg)
     assert t.item() == 10.0
     assert manager.calls == [(5.0, dist.ReduceOp.AVG)]
+    assert manager.quorum_waits == 1  # the step's quorum comes first
     assert pg.size() == 3 and dist.get_world_size(pg) == 3
     assert pg.rank() == 1
     manager.participants = 2
@@ -236,6 +283,34 @@ def test_managed_routes_allreduce_to_manager_and_reports_participants() -> None:
         pg.allreduce([torch.ones(1), torch.ones(1)])
     pg.broadcast([t], 0).wait()  # other ops go to the manager's group
     assert pg.getBackendName() == "ftdist-dummy"
+
+
+def test_managed_allreduce_failure_is_recorded_with_the_manager_not_raised() -> None:
+    manager = _FakeManager()
+    manager.fail_with = RuntimeError("peer died")
+    pg = ManagedProcessGroup(manager)
+    t = torch.tensor([5.0])
+    work = pg.allreduce([t], dist.ReduceOp.SUM)
+    assert work.wait() is True
+    assert [str(e) for e in manager.errors] == ["peer died"]
+    assert work.get_future().wait() == [t]  # resolves to the input tensors
+    # Once the step has failed nothing more runs: a completed work, no call.
+    work2 = pg.allreduce([t], dist.ReduceOp.SUM)
+    assert work2.wait() is True and len(manager.calls) == 1
+    assert work2.get_future().wait() == [t]
+
+
+def test_managed_allreduce_failed_quorum_is_recorded_not_raised() -> None:
+    manager = _FakeManager()
+
+    def broken_quorum() -> None:
+        raise TimeoutError("no quorum")
+
+    manager.wait_quorum = broken_quorum  # type: ignore[method-assign]
+    pg = ManagedProcessGroup(manager)
+    t = torch.tensor([1.0])
+    assert pg.allreduce([t], dist.ReduceOp.SUM).wait() is True
+    assert manager.calls == [] and [type(e) for e in manager.errors] == [TimeoutError]
 
 
 def test_wrapper_of_plain_group_cannot_reconfigure(store: dist.TCPStore) -> None:

@@ -89,7 +89,7 @@ def test_reconfigure_rank_is_the_index_of_the_own_handle() -> None:
     other = json.dumps({"id": "peer", "store": "h:1", "global_rank": 4})
     opts = ReconfigureOptions(uuid=9, handles=[other, pg.get_reconfigure_handle()])
     meeting = rendezvous(opts, pg._handle_id())
-    assert (meeting.rank, meeting.world_size, meeting.store_addr) == (1, 2, "h:1/torchft/9")
+    assert (meeting.rank, meeting.world_size, meeting.store_addr) == (1, 2, "h:1/ftdist/9")
     assert meeting.global_ranks == [4, 5]
     pg.shutdown()
 

@@ -130,7 +130,7 @@ def map_rpc_error(exc: grpc.RpcError, what: str) -> Exception:
     Deadline and cancellation become :class:`CoordinationTimeoutError` (a
     ``TimeoutError``), everything else :class:`CoordinationError` (a
     ``RuntimeError``), as torchft's bindings map them. The message keeps the
-    server's own text.
+    server's own text (and a timeout's ends with torchft's wording).
 
     Args:
         exc: the error grpc raised.
@@ -145,7 +145,11 @@ def map_rpc_error(exc: grpc.RpcError, what: str) -> Exception:
     details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
     name = code.name if code is not None else "UNKNOWN"
     if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
-        return CoordinationTimeoutError(f"{what} timed out: {name}: {details}")
+        # The tail is torchft's wording for the same timeout: code written
+        # against torchft matches its message with a regex.
+        return CoordinationTimeoutError(
+            f'{what} timed out: {name}: {details} (status: Cancelled, message: "Timeout expired")'
+        )
     if code is grpc.StatusCode.UNAVAILABLE:
         return CoordinationError(f"{what} failed, server unavailable: {details}")
     return CoordinationError(f"{what} failed: {name}: {details}")

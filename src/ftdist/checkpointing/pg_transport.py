@@ -83,6 +83,9 @@ class PGTransport(CheckpointTransport[T]):
         self._device = torch.device(device)
         self._state_dict = state_dict
         self.last_transfer: TransferStats | None = None
+        # A transfer that timed out left the group mid-message: it is
+        # aborted, and later transfers fail at once until it is reconfigured.
+        self._timed_out = False
 
     def metadata(self) -> str:
         """Not needed: peers meet on the process group."""
@@ -93,10 +96,23 @@ class PGTransport(CheckpointTransport[T]):
         try:
             work.wait(limit)
         except TimeoutError as exc:
+            self._timed_out = True
+            abort = getattr(self._pg, "abort", None)
+            if callable(abort):
+                abort()
             # torchft's callers look for "timed out" in the message.
             raise CollectiveTimeoutError(
                 f"checkpoint {what} timed out after {limit.total_seconds()} s: {exc}"
             ) from exc
+
+    def _check_usable(self, what: str) -> None:
+        errored = getattr(self._pg, "errored", None)
+        if self._timed_out and callable(errored) and errored() is not None:
+            raise CollectiveTimeoutError(
+                f"checkpoint {what}: an earlier transfer on this group timed out and the "
+                "group was aborted; reconfigure it first"
+            )
+        self._timed_out = False
 
     def send_checkpoint(
         self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta | None = None
@@ -107,8 +123,10 @@ class PGTransport(CheckpointTransport[T]):
             TypeError: the state holds a leaf no transport can carry (the
                 message names it).
             ValueError: the state has too many leaves for one header.
-            CommunicationError: a send failed or timed out.
+            CommunicationError: a send failed or timed out (a timeout aborts
+                the group: later transfers fail at once until it is reconfigured).
         """
+        self._check_usable(f"send to ranks {dst_ranks}")
         start = time.perf_counter()
         stream = _wire.plan(state_dict, step)[0]
         prefix = _on(self._device, stream.head[: _wire.PREFIX_BYTES])
@@ -147,8 +165,10 @@ class PGTransport(CheckpointTransport[T]):
         Raises:
             CheckpointError: wrong step, a malformed header, or data that
                 does not match its CRC.
-            CommunicationError: a receive failed or timed out.
+            CommunicationError: a receive failed or timed out (a timeout aborts
+                the group: later transfers fail at once until it is reconfigured).
         """
+        self._check_usable(f"receive from rank {src_rank}")
         start = time.perf_counter()
         what = f"rank {src_rank}"
         prefix = self._recv_bytes(_wire.PREFIX_BYTES, src_rank, _TAG_PREFIX, timeout)

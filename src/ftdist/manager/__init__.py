@@ -7,7 +7,10 @@ Everything that runs the fault-tolerant step protocol of one replica group:
 * :mod:`~ftdist.manager.manager`: :class:`Manager`, one per rank: quorum,
   allreduce, commit vote; :mod:`~ftdist.manager.round`: each step's quorum
   round, on the quorum thread.
-* :mod:`~ftdist.manager.work`: what its allreduce returns.
+* :mod:`~ftdist.manager.work`: what its allreduce returns;
+  :mod:`~ftdist.manager.managed_work`: today's torchft's lazy
+  ``_ManagedWork``, for code that builds one; :mod:`~ftdist.manager.internals`:
+  torchft's private Manager attributes.
 * :mod:`~ftdist.manager.state`: the user state it moves and the
   consistency parts it compares; :mod:`~ftdist.manager.membership`: the
   process group following the quorum.
@@ -42,24 +45,46 @@ if TYPE_CHECKING:
     from ftdist.manager.client import ManagerClient
     from ftdist.manager.config import (
         CONNECT_TIMEOUT_SEC_ENV,
+        IS_TRITON_AVAILABLE,
         MANAGER_ADDR_KEY,
         MANAGER_PORT_ENV,
         QUORUM_RETRIES_ENV,
         QUORUM_TIMEOUT_SEC_ENV,
         REPLICA_ID_KEY,
         TIMEOUT_SEC_ENV,
+        TORCH_FR_DUMP_TEMP_FILE_ENV,
         ManagerConfig,
+        extract_trailing_digits,
+        get_timeout,
     )
     from ftdist.manager.heal import HealTimeline
+    from ftdist.manager.managed_work import (
+        _ManagedFuture as _ManagedFuture,
+    )
+    from ftdist.manager.managed_work import (
+        _ManagedWork as _ManagedWork,
+    )
+    from ftdist.manager.managed_work import (
+        _ManagerLogger as _ManagerLogger,
+    )
+    from ftdist.manager.managed_work import (
+        _SimpleFuture as _SimpleFuture,
+    )
     from ftdist.manager.manager import ExceptionWithTraceback, Manager, WorldSizeMode
     from ftdist.manager.server import ManagerServer
     from ftdist.manager.work import AllreduceResult
+    from ftdist.work import _DummyWork as _DummyWork
 
 # Loaded on first use: the lighthouse and the command line import the
 # server and client modules of this package, and must not pay for torch.
 _EXPORTS = {
     "AllreduceResult": "ftdist.manager.work",
     "CONNECT_TIMEOUT_SEC_ENV": "ftdist.manager.config",
+    "IS_TRITON_AVAILABLE": "ftdist.manager.config",
+    "TORCH_FR_DUMP_TEMP_FILE_ENV": "ftdist.manager.config",
+    "extract_trailing_digits": "ftdist.manager.config",
+    "get_timeout": "ftdist.manager.config",
+    "_DummyWork": "ftdist.work",
     "MANAGER_ADDR_KEY": "ftdist.manager.config",
     "MANAGER_PORT_ENV": "ftdist.manager.config",
     "QUORUM_RETRIES_ENV": "ftdist.manager.config",
@@ -73,6 +98,10 @@ _EXPORTS = {
     "ManagerConfig": "ftdist.manager.config",
     "ManagerServer": "ftdist.manager.server",
     "WorldSizeMode": "ftdist.manager.config",
+    "_ManagedFuture": "ftdist.manager.managed_work",
+    "_ManagedWork": "ftdist.manager.managed_work",
+    "_ManagerLogger": "ftdist.manager.managed_work",
+    "_SimpleFuture": "ftdist.manager.managed_work",
 }
 
 
@@ -91,12 +120,14 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "CONNECT_TIMEOUT_SEC_ENV",
+    "IS_TRITON_AVAILABLE",
     "MANAGER_ADDR_KEY",
     "MANAGER_PORT_ENV",
     "QUORUM_RETRIES_ENV",
     "QUORUM_TIMEOUT_SEC_ENV",
     "REPLICA_ID_KEY",
     "TIMEOUT_SEC_ENV",
+    "TORCH_FR_DUMP_TEMP_FILE_ENV",
     "AllreduceResult",
     "ExceptionWithTraceback",
     "HealTimeline",
@@ -105,4 +136,6 @@ __all__ = [
     "ManagerConfig",
     "ManagerServer",
     "WorldSizeMode",
+    "extract_trailing_digits",
+    "get_timeout",
 ]

@@ -6,13 +6,16 @@ Group rank 0 starts the replica group's :class:`ManagerServer` and publishes
 its address in the replica group's store; every rank reads it and connects.
 Store keys live under the torchelastic restart count, so ranks restarted by
 torchrun never read the address of the server that died with the previous
-attempt.
+attempt. Group rank 0 also writes torchft's unprefixed ``manager_addr`` and
+``replica_id``, and a first attempt accepts them, so a store prepared the
+torchft way (or a torchft rank 0) works too.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +31,10 @@ from ftdist.manager.server import ManagerServer
 from ftdist.process_group._store import host_store
 
 logger = logging.getLogger(__name__)
+
+# Where group rank 0 tells the other ranks the lighthouse's address (for
+# failure news); absent in a store prepared the torchft way.
+LIGHTHOUSE_ADDR_KEY = "lighthouse_addr"
 
 
 @dataclass
@@ -68,6 +75,34 @@ def connect_client(address: str, connect_timeout: timedelta) -> ManagerClientLik
     """
     client: ManagerClientLike = _class("ManagerClient")(address, connect_timeout)
     return client
+
+
+def await_keys(
+    store: dist.Store, fallback: dist.Store | None, timeout: timedelta
+) -> tuple[str, str]:
+    """The manager address and replica id, from ``store`` or else ``fallback``.
+
+    Group rank 0 publishes them; the other ranks poll for them (a blocking
+    ``get`` could wait on one store while the keys appear in the other).
+
+    Raises:
+        torch.distributed.DistStoreError: neither store has them within ``timeout``.
+    """
+    keys = [MANAGER_ADDR_KEY, REPLICA_ID_KEY]
+    deadline = time.monotonic() + timeout.total_seconds()
+    pause = 0.001
+    while True:
+        for source in (store, fallback):
+            if source is not None and source.check(keys):
+                addr, rid = (source.get(key).decode() for key in keys)
+                return addr, rid
+        if time.monotonic() > deadline:
+            raise dist.DistStoreError(
+                f"group rank 0 did not publish {keys} in the replica group's store within "
+                f"{timeout}: is group rank 0 running, with the same MASTER_ADDR/MASTER_PORT?"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 def bootstrap(
@@ -124,13 +159,22 @@ def bootstrap(
             connect_timeout=config.connect_timeout,
             quorum_retries=config.quorum_retries,
         )
+        store.set(LIGHTHOUSE_ADDR_KEY, config.lighthouse_addr)
         store.set(MANAGER_ADDR_KEY, server.address())
         store.set(REPLICA_ID_KEY, full_id)
-        store.set("lighthouse_addr", config.lighthouse_addr)
+        # torchft's keys, unprefixed, for tools and torchft-style ranks.
+        tcp.set(MANAGER_ADDR_KEY, server.address())
+        tcp.set(REPLICA_ID_KEY, full_id)
     try:
-        manager_addr = store.get(MANAGER_ADDR_KEY).decode()
-        full_id = store.get(REPLICA_ID_KEY).decode()
-        lighthouse = config.lighthouse_addr or store.get("lighthouse_addr").decode() or None
+        # A first attempt may also read torchft's unprefixed keys (a store
+        # prepared the torchft way); a restarted one never does: they may
+        # name the server that died with the previous attempt.
+        manager_addr, full_id = await_keys(
+            store, tcp if attempt == "0" else None, config.connect_timeout
+        )
+        lighthouse = config.lighthouse_addr
+        if not lighthouse and store.check([LIGHTHOUSE_ADDR_KEY]):
+            lighthouse = store.get(LIGHTHOUSE_ADDR_KEY).decode() or None
         # Rank 0 hosts the server: its calls need no network hop.
         real = (
             server.local_client()

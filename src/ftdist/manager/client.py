@@ -47,21 +47,25 @@ class ManagerClientLike(Protocol):
     Manager's commit, vote and retry logic can be tested without servers.
     """
 
-    def quorum(
+    def _quorum(
         self,
+        *,
         group_rank: int,
         step: int,
         checkpoint_metadata: str,
         shrink_only: bool,
-        init_sync: bool,
-        commit_failures: int,
         timeout: timedelta,
+        commit_failures: int,
+        init_sync: bool,
         fingerprint: dict[str, int] | None = None,
     ) -> ManagerQuorumResult:
-        """Join this step's quorum; see :meth:`ManagerClient.quorum`."""
+        """Join this step's quorum; see :meth:`ManagerClient._quorum`.
+
+        The Manager passes ``fingerprint`` only when it has one.
+        """
         ...
 
-    def checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
+    def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
         """Where a group rank serves its state; see :meth:`ManagerClient.checkpoint_metadata`."""
         ...
 
@@ -80,7 +84,10 @@ class ManagerClient:
     """Talks to the replica group's ManagerServer.
 
     Args:
-        addr: ``http://host:port`` or ``host:port``.
+        addr: ``http://host:port`` or ``host:port`` (required; it has a
+            default only so that ``unittest.mock.create_autospec`` mocks of
+            this class can be called without arguments, as mocks of
+            torchft's native class can).
         connect_timeout: how long to wait for the server to be reachable.
         token: the job token sent with every call (default
             ``FTDIST_JOB_TOKEN``, then ``FTDIST_JOB_TOKEN_FILE``).
@@ -88,12 +95,19 @@ class ManagerClient:
     TLS follows ``FTDIST_TLS_CA`` (see :mod:`ftdist._auth`).
 
     Raises:
-        ValueError: malformed address or token.
+        ValueError: no address, or a malformed address or token.
         OSError: a token or TLS file cannot be read.
         CoordinationError: the server is unreachable within ``connect_timeout``.
     """
 
-    def __init__(self, addr: str, connect_timeout: timedelta, token: str | None = None) -> None:
+    def __init__(
+        self,
+        addr: str = "",
+        connect_timeout: timedelta = timedelta(seconds=60),
+        token: str | None = None,
+    ) -> None:
+        if not addr:
+            raise ValueError("ManagerClient needs the manager server's address, host:port")
         self.addr = addr
         self._metadata = call_metadata(job_token(token))
         self._channel = open_channel(addr, _rpc.client_channel_options(), tls_files())
@@ -199,15 +213,18 @@ class ManagerClient:
         init_sync: bool = True,
         *,
         rank: int | None = None,
+        fingerprint: dict[str, int] | None = None,
     ) -> ManagerQuorumResult:
         """torchft's spelling of :meth:`quorum`, for either generation.
 
-        The early-2025 order ``(rank, step, checkpoint_metadata, shrink_only,
-        timeout)`` is a prefix of today's ``(group_rank, ..., timeout,
-        commit_failures, reconfigure_handle, init_sync)``; ``rank=`` is the
-        early keyword for ``group_rank``. ftdist's process groups are
-        reconfigured through the store, so ``reconfigure_handle`` is accepted
-        and not needed.
+        The Manager calls this one, by keyword, as torchft's does (tests
+        that mock the client script ``_quorum``). The early-2025 order
+        ``(rank, step, checkpoint_metadata, shrink_only, timeout)`` is a
+        prefix of today's ``(group_rank, ..., timeout, commit_failures,
+        reconfigure_handle, init_sync)``; ``rank=`` is the early keyword for
+        ``group_rank``. ftdist's process groups are reconfigured through the
+        store, so ``reconfigure_handle`` is accepted and not needed;
+        ``fingerprint`` is ftdist's (see :meth:`quorum`).
 
         Raises:
             TypeError: neither or both of ``group_rank`` and ``rank`` are given.
@@ -216,7 +233,7 @@ class ManagerClient:
         """
         return self.quorum(
             _one_rank(group_rank, rank), step, checkpoint_metadata, shrink_only, init_sync,
-            commit_failures, timeout,
+            commit_failures, timeout, fingerprint,
         )  # fmt: skip
 
     def checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:

@@ -23,6 +23,7 @@ their ``TORCHFT_*`` names second, so torchft launch scripts keep working;
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 from collections.abc import Mapping
@@ -42,6 +43,35 @@ TIMEOUT_SEC_ENV = "TORCHFT_TIMEOUT_SEC"
 QUORUM_TIMEOUT_SEC_ENV = "TORCHFT_QUORUM_TIMEOUT_SEC"
 CONNECT_TIMEOUT_SEC_ENV = "TORCHFT_CONNECT_TIMEOUT_SEC"
 QUORUM_RETRIES_ENV = "TORCHFT_QUORUM_RETRIES"
+TORCH_FR_DUMP_TEMP_FILE_ENV = "TORCH_FR_DUMP_TEMP_FILE"
+
+# Whether torchft's quantized allreduce could run: Triton and a collectives
+# module are installed (checked without importing either).
+IS_TRITON_AVAILABLE = (
+    importlib.util.find_spec("triton") is not None
+    and importlib.util.find_spec("ftdist.collectives") is not None
+)
+
+
+def get_timeout(timeout_sec_env: str | None, default_timeout_sec: timedelta) -> timedelta:
+    """torchft's helper: whole seconds from an environment value, else the default.
+
+    Args:
+        timeout_sec_env: the environment variable's value (or None).
+        default_timeout_sec: used when the value is None or empty.
+
+    Raises:
+        ValueError: the value is not an integer.
+    """
+    if timeout_sec_env:
+        return timedelta(seconds=int(timeout_sec_env))
+    return default_timeout_sec
+
+
+def extract_trailing_digits(s: str) -> int:
+    """The decimal digits at the end of ``s`` as an int, 0 if none (``"train_3"`` -> 3)."""
+    digits = len(s) - len(s.rstrip("0123456789"))
+    return int(s[-digits:]) if digits else 0
 
 
 class WorldSizeMode(IntEnum):

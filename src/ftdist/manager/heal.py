@@ -238,7 +238,7 @@ class Healer:
             quorum.max_step, quorum.quorum_id, "receive", [src], quorum_s, reconfigure_s
         )
         client = self._source(quorum.recover_src_manager_address)
-        metadata = client.checkpoint_metadata(group_rank, self._timeout)
+        metadata = client._checkpoint_metadata(group_rank, timeout=self._timeout)
         start = time.perf_counter()
         state = self.transport.recv_checkpoint(src, metadata, quorum.max_step, self._timeout)
         timeline.transfer_s = time.perf_counter() - start

@@ -59,6 +59,7 @@ from ftdist.errors import (
 from ftdist.manager.client import ManagerClientLike
 from ftdist.manager.config import ManagerConfig, WorldSizeMode
 from ftdist.manager.heal import Healer, HealTimeline, load_received
+from ftdist.manager.internals import TorchftInternals, manager_counters
 from ftdist.manager.membership import GroupMembership
 from ftdist.manager.round import QuorumRound, RoundOutcome
 from ftdist.manager.state import ConsistencyParts, StateRegistration, UserState
@@ -71,7 +72,7 @@ T = TypeVar("T")
 __all__ = ["ExceptionWithTraceback", "Manager", "WorldSizeMode"]
 
 
-class Manager(StateRegistration):
+class Manager(TorchftInternals, StateRegistration):
     """Fault-tolerant step protocol for one rank of one replica group.
 
     Args:
@@ -180,9 +181,8 @@ class Manager(StateRegistration):
             )
         self._consistency = ConsistencyParts()
 
-        self._checkpoint_transport: CheckpointTransport[Any] = (
-            checkpoint_transport
-            or HTTPTransport(config.timeout, num_chunks=0, hostname=config.hostname)
+        self._checkpoint_transport = checkpoint_transport or HTTPTransport(
+            config.timeout, num_chunks=0, hostname=config.hostname
         )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftdist-quorum")
         self._lock = threading.Lock()
@@ -191,12 +191,13 @@ class Manager(StateRegistration):
         self._batches_committed = 0
         self._commit_failures = 0
         self._errored: BaseException | None = None
+        self._group_failed = False  # a collective of this step failed
         self._quorum_future: Future[RoundOutcome] | None = None
         # This step's round, once the training thread has taken it.
         self._outcome: RoundOutcome | None = None
         # The step's heal is settled (applied or dropped) by should_commit.
         self._settled = True
-        self._membership = GroupMembership(pg, config.group_rank)
+        self._membership = GroupMembership(pg, config.group_rank, self._reconfigure_hook)
         self._fingerprint_due = False
         self.heal_timelines: list[HealTimeline] = []
         self._pending_work: list[torch.futures.Future[Any]] = []
@@ -237,13 +238,6 @@ class Manager(StateRegistration):
             config.group_world_size,
         )
 
-    def _manager_state_dict(self) -> dict[str, Any]:
-        return {
-            "user": self._user_state.save(),
-            "torchft": self.state_dict(),
-            "consistency": self._consistency.fingerprint(),
-        }
-
     def state_dict(self) -> dict[str, int]:
         """The Manager's own state: ``step`` and ``batches_committed``. Checkpoint it with yours."""
         return {"step": self._step, "batches_committed": self._batches_committed}
@@ -275,6 +269,7 @@ class Manager(StateRegistration):
 
     def _collective_failed(self, exc: BaseException) -> None:
         """A collective of this step failed or timed out (from its completion thread)."""
+        self._group_failed = True
         self.report_error(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
         if isinstance(exc, TimeoutError) and not isinstance(exc, CollectiveTimeoutError):
             self._membership.abort_stuck()  # our deadline, not the backend's
@@ -318,6 +313,7 @@ class Manager(StateRegistration):
             self._settle_heal(self._timeout)
         self._pending_work = []
         self._errored = None
+        self._group_failed = False
         self._outcome = None
         self._settled = False
         self._round.init_sync = self._init_sync
@@ -325,7 +321,7 @@ class Manager(StateRegistration):
         periodic = every > 0 and self._step > 0 and self._step % every == 0
         send_fingerprint, self._fingerprint_due = self._fingerprint_due or periodic, False
         self._quorum_future = self._executor.submit(
-            self._round.run,
+            self._run_round,
             step=self._step,
             commit_failures=self._commit_failures,
             send_fingerprint=send_fingerprint,
@@ -366,8 +362,6 @@ class Manager(StateRegistration):
         Raises:
             ValueError: misuse found by the round (no state registered).
         """
-        if self._outcome is not None:
-            return self._outcome
         if self._quorum_future is None:
             return None
         try:
@@ -378,6 +372,8 @@ class Manager(StateRegistration):
             if self._errored is None:
                 self.report_error(exc)
             return None
+        if outcome is self._outcome:
+            return outcome
         self._outcome = outcome
         for error in outcome.errors:
             self.report_error(error)
@@ -395,12 +391,13 @@ class Manager(StateRegistration):
         its part; all apply, or none does (a group never splits across two
         steps; it heals again at the next quorum).
         """
-        outcome = self._outcome
+        outcome = self._await_round()
         if outcome is None or outcome.heal_settled:
             return
         outcome.heal_settled = True
         healing, staged = outcome.heal, outcome.staged
         outcome.heal, outcome.staged = False, None
+        self._healing = False
         group_vote = self._config.group_world_size > 1 and getattr(
             outcome.quorum, "group_heals", False
         )
@@ -418,7 +415,7 @@ class Manager(StateRegistration):
         if staged is None:
             return
         error = load_received(staged.state, self._user_state, self._consistency, staged.timeline)
-        self.load_state_dict(staged.state["torchft"])
+        self.load_state_dict(manager_counters(staged.state))
         self._step = staged.step
         if error is not None:
             self.report_error(error)
@@ -438,7 +435,9 @@ class Manager(StateRegistration):
         ``AVG`` divides by the number of participants. A replica that is
         healing (or a spare) contributes zeros. So does a replica whose step
         already failed: it still takes part, so that its peers are not left
-        waiting, and votes no. Errors are recorded, never raised.
+        waiting, and votes no; but once a collective of the step failed the
+        group is broken, and later ones return at once with ``tensor`` as it
+        is (as in torchft). Errors are recorded, never raised.
         ``should_quantize`` (True or ``"int8"``, or ``"bf16"``) sends the
         tensor quantized: see :mod:`ftdist.collectives` for the error bound.
 
@@ -452,17 +451,17 @@ class Manager(StateRegistration):
         """
         mode = check_allreduce(tensor, reduce_op, should_quantize)
         outcome = self._await_round()
-        if outcome is None or not outcome.configured:
+        if outcome is None or not outcome.configured or self._group_failed:
             return AllreduceResult(self, None, tensor, None, self._timeout)
         if self._errored is not None or not self.is_participating():
             tensor.zero_()
         op, divisor = reduce_op, None
         if reduce_op == dist.ReduceOp.AVG:
-            op, divisor = dist.ReduceOp.SUM, outcome.participating_world_size
+            op, divisor = dist.ReduceOp.SUM, self._participating_replica_world_size
         try:
             work = start_allreduce(self._pg, tensor, op, mode)
         except Exception as exc:
-            self.report_error(exc)
+            self._collective_failed(exc)
             return AllreduceResult(self, None, tensor, None, self._timeout)
         result = AllreduceResult(self, work, tensor, divisor, self._timeout)
         self._pending_work.append(result)
@@ -504,7 +503,7 @@ class Manager(StateRegistration):
         pg_error = self._pg.errored()
         # An abort on failure news is not an error by itself: collectives it
         # cut short reported their own errors.
-        if isinstance(pg_error, BaseException) and not (
+        if isinstance(pg_error, Exception) and not (
             self._membership.broken and isinstance(pg_error, ProcessGroupAbortedError)
         ):
             self.report_error(pg_error)
@@ -553,24 +552,18 @@ class Manager(StateRegistration):
     def participating_rank(self) -> int | None:
         """This replica's rank among the participants, or None (healing, spare, no quorum)."""
         outcome = self._await_round()
-        return None if outcome is None else outcome.participating_rank
+        return None if outcome is None else self._participating_replica_rank
 
     def num_participants(self) -> int:
         """How many replica groups take part in this step (0 before the first quorum)."""
         outcome = self._await_round()
-        return 0 if outcome is None else outcome.participating_world_size
+        return 0 if outcome is None else self._participating_replica_world_size
 
     def is_participating(self) -> bool:
         """False while healing or as a spare: this replica contributes zeros."""
         if self.participating_rank() is None:
             return False
         return not (self._healing and self._use_async_quorum)
-
-    @property
-    def _healing(self) -> bool:
-        """This step heals this replica (its state is applied at the vote)."""
-        outcome = self._outcome
-        return outcome is not None and outcome.heal
 
     def replica_id(self) -> str:
         """This replica group's full id (with its uuid)."""

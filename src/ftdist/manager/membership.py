@@ -13,11 +13,22 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 from ftdist.manager.client import ManagerQuorumResult
 from ftdist.process_group import ProcessGroup
 
 __all__ = ["GroupMembership"]
+
+
+def _handles(quorum: Any) -> list[str]:
+    """The members' reconfigure handles, if the quorum carries one for each."""
+    handles = list(getattr(quorum, "reconfigure_handles", None) or ())
+    if len(handles) != quorum.replica_world_size or not all(handles):
+        return []
+    return handles
+
 
 logger = logging.getLogger(__name__)
 
@@ -30,13 +41,23 @@ class GroupMembership:
         group_rank: this rank inside its replica group; it names the store
             prefix, so that the group ranks of one replica group each build
             their own process group.
+        reconfigure: rebuilds the group for a new quorum, given its id and
+            the members' reconfigure handles (torchft's
+            ``Manager._reconfigure_pg``); default: :meth:`configure`.
     """
 
-    def __init__(self, pg: ProcessGroup, group_rank: int) -> None:
+    def __init__(
+        self,
+        pg: ProcessGroup,
+        group_rank: int,
+        reconfigure: Callable[[int, list[str]], None] | None = None,
+    ) -> None:
         self.pg = pg
         self._group_rank = group_rank
+        self._reconfigure = reconfigure
         self.quorum_id = -1
         self.members: list[str] = []
+        self._following: ManagerQuorumResult | None = None
         # Aborted on failure news: rebuild at the next quorum even if its
         # id did not change (the dead member may be back by then).
         self.broken = False
@@ -56,16 +77,33 @@ class GroupMembership:
             return None
         start = time.perf_counter()
         self.quorum_id = quorum.quorum_id
-        self.members = list(quorum.replica_ids)
+        self.members = list(getattr(quorum, "replica_ids", ()))
+        self._following = quorum
+        if self._reconfigure is None:
+            self.configure()
+        else:
+            self._reconfigure(quorum.quorum_id, _handles(quorum))
+        self.broken = False
+        return time.perf_counter() - start
+
+    def configure(self) -> None:
+        """Configure the group through the store of the quorum being followed.
+
+        Raises:
+            ValueError: no quorum is being followed, or its store address is
+                malformed.
+            RuntimeError: the process group could not be configured.
+        """
+        quorum = self._following
+        if quorum is None:
+            raise ValueError("no quorum to configure the process group for")
         # quorum_id alone repeats after a lighthouse restart; its creation
         # time makes the prefix unique.
         store = (
-            f"{quorum.store_address}/ftdist/{quorum.quorum_id}-{quorum.created_ns}/"
-            f"{self._group_rank}"
+            f"{quorum.store_address}/ftdist/{quorum.quorum_id}-"
+            f"{getattr(quorum, 'created_ns', 0)}/{self._group_rank}"
         )
         self.pg.configure(store, quorum.replica_rank, quorum.replica_world_size)
-        self.broken = False
-        return time.perf_counter() - start
 
     def member_failed(self, replica_id: str, own_replica_id: str) -> bool:
         """Abort the group if ``replica_id`` is one of its other members.

@@ -80,7 +80,8 @@ class QuorumRound:
     Args:
         client: the replica group's manager client.
         group_rank: this rank inside its replica group.
-        transport: the checkpoint transport (for its metadata).
+        transport: the checkpoint transport (for its metadata); the
+            attribute ``transport`` may be replaced.
         membership: keeps the process group configured for the quorum.
         healer: serves and receives states.
         consistency: the parts fingerprinted for the cross-replica check.
@@ -113,7 +114,7 @@ class QuorumRound:
     ) -> None:
         self._client = client
         self._group_rank = group_rank
-        self._transport = transport
+        self.transport = transport
         self._membership = membership
         self._healer = healer
         self._consistency = consistency
@@ -146,15 +147,18 @@ class QuorumRound:
         fingerprint = None
         if send_fingerprint and self._consistency:
             fingerprint = self._consistency.fingerprint()
-        quorum = self._client.quorum(
+        # By keyword, under torchft's name: code that mocks the client
+        # scripts ``_quorum`` and reads its keyword arguments.
+        extra = {} if fingerprint is None else {"fingerprint": fingerprint}
+        quorum = self._client._quorum(
             group_rank=self._group_rank,
             step=step,
-            checkpoint_metadata=self._transport.metadata(),
+            checkpoint_metadata=self.transport.metadata(),
             shrink_only=shrink_only,
-            init_sync=self.init_sync,
-            commit_failures=commit_failures,
             timeout=timeout,
-            fingerprint=fingerprint,
+            commit_failures=commit_failures,
+            init_sync=self.init_sync,
+            **extra,
         )
         quorum_s = time.perf_counter() - start
         out = RoundOutcome(quorum)

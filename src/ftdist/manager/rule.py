@@ -78,21 +78,34 @@ class QuorumResult:
     replica_ids: list[str] = field(default_factory=list)
     reconfigure_handles: list[str] = field(default_factory=list)
 
-    # torchft's early-2025 names for three of the fields.
+    # torchft's early-2025 names for three of the fields; settable too, since
+    # early-2025 code builds results field by field.
     @property
     def max_rank(self) -> int | None:
         """``max_replica_rank``, by torchft's early name."""
         return self.max_replica_rank
+
+    @max_rank.setter
+    def max_rank(self, value: int | None) -> None:
+        self.max_replica_rank = value
 
     @property
     def recover_src_rank(self) -> int | None:
         """``recover_src_replica_rank``, by torchft's early name."""
         return self.recover_src_replica_rank
 
+    @recover_src_rank.setter
+    def recover_src_rank(self, value: int | None) -> None:
+        self.recover_src_replica_rank = value
+
     @property
     def recover_dst_ranks(self) -> list[int]:
         """``recover_dst_replica_ranks``, by torchft's early name."""
         return self.recover_dst_replica_ranks
+
+    @recover_dst_ranks.setter
+    def recover_dst_ranks(self, value: list[int]) -> None:
+        self.recover_dst_replica_ranks = value
 
 
 def compute_quorum_results(

@@ -155,8 +155,12 @@ class UserState:
 
     @property
     def lock(self) -> RWLock:
-        """The read/write lock fencing the state."""
+        """The read/write lock fencing the state (replaceable, e.g. by a test double)."""
         return self._lock
+
+    @lock.setter
+    def lock(self, lock: RWLock) -> None:
+        self._lock = lock
 
 
 class ConsistencyParts:

@@ -42,15 +42,23 @@ from ftdist.process_group.error_swallowing import (
 )
 from ftdist.process_group.fake import FakeProcessGroupWrapper
 from ftdist.process_group.gloo import ProcessGroupGloo
-from ftdist.process_group.managed import ManagedProcessGroup
+from ftdist.process_group.managed import ManagedProcessGroup, _ManagedWork
 from ftdist.process_group.nccl import ProcessGroupNCCL
-from ftdist.process_group.reconfigure import ReconfigureOptions, reconfigure_with_store
+from ftdist.process_group.reconfigure import (
+    ReconfigureOptions,
+    Rendezvous,
+    reconfigure_with_store,
+    rendezvous,
+)
 from ftdist.process_group.work import CompletedWork
 from ftdist.process_group.wrapper import ProcessGroupWrapper
 from ftdist.process_group.xccl import ProcessGroupXCCL
 
 # torchft's name for CompletedWork (also ftdist.work._DummyWork: the same class).
 _DummyWork = CompletedWork
+# torchft's private names for reading a rendezvous from reconfigure handles.
+_rendezvous = rendezvous
+_Rendezvous = Rendezvous
 
 __all__ = [
     "CompletedWork",
@@ -72,6 +80,7 @@ __all__ = [
     "TCPStore",
     "_DummyWork",
     "_ErrorSwallowingWork",
+    "_ManagedWork",
     "create_store_client",
     "extend_device_mesh",
     "parse_store_addr",

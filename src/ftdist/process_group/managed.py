@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -12,6 +13,7 @@ import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
 from ftdist.process_group.base import Post, ProcessGroup, _as_list, _reduce_op
+from ftdist.process_group.work import CompletedWork
 from ftdist.process_group.wrapper import ProcessGroupWrapper
 
 
@@ -20,9 +22,56 @@ class _ManagerLike(Protocol):
 
     def allreduce(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any: ...
 
+    def wait_quorum(self) -> None: ...
+
+    def errored(self) -> BaseException | None: ...
+
+    def report_error(self, e: Exception) -> None: ...
+
+    def wrap_future(self, fut: Any, default: Any, timeout: Any = None) -> Any: ...
+
     def num_participants(self) -> int: ...
 
     def participating_rank(self) -> int | None: ...
+
+
+class _ManagedWork(dist._Work):
+    """A work whose errors go to the manager (torchft's process-group ``_ManagedWork``).
+
+    ``wait()`` reports a failure with ``manager.report_error`` and returns
+    True; ``get_future()`` is ``manager.wrap_future(work.get_future(),
+    default_result)``: bounded by the manager's timeout, resolving to
+    ``default_result`` on error.
+
+    Args:
+        manager: records errors and bounds futures.
+        work: the underlying work.
+        default_result: the future's value if the work fails.
+    """
+
+    def __init__(self, manager: Any, work: Any, default_result: Any) -> None:
+        super().__init__()
+        self._manager = manager
+        self._work = work
+        self._default_result = default_result
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Wait for the work; a failure is reported, not raised. Returns True."""
+        try:
+            if timeout is None:
+                self._work.wait()
+            else:
+                self._work.wait(timeout)
+        except Exception as exc:
+            self._manager.report_error(exc)
+        return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        """The work's future, fault tolerant (see the class docstring)."""
+        fut: torch.futures.Future[Any] = self._manager.wrap_future(
+            self._work.get_future(), self._default_result
+        )
+        return fut
 
 
 class ManagedProcessGroup(ProcessGroupWrapper):
@@ -36,8 +85,9 @@ class ManagedProcessGroup(ProcessGroupWrapper):
 
     Args:
         manager: a :class:`ftdist.manager.Manager` (or anything with ``_pg``,
-            ``allreduce(tensor, reduce_op=...)``, ``num_participants()`` and
-            ``participating_rank()``).
+            ``allreduce(tensor, reduce_op=...)``, ``wait_quorum()``,
+            ``errored()``, ``report_error()``, ``wrap_future()``,
+            ``num_participants()`` and ``participating_rank()``).
 
     Raises:
         TypeError: the manager's group is not a torch ProcessGroup.
@@ -64,6 +114,11 @@ class ManagedProcessGroup(ProcessGroupWrapper):
     def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:
         """Fault-tolerant allreduce of one tensor through the manager.
 
+        Waits for the step's quorum first; once the step has failed (or its
+        quorum did), nothing runs and a completed work is returned. Errors
+        are reported to the manager, never raised: the returned work's
+        ``wait()`` is always True and its future resolves to ``tensors``.
+
         Raises:
             ValueError: more than one tensor is given.
         """
@@ -78,13 +133,19 @@ class ManagedProcessGroup(ProcessGroupWrapper):
             op = opts.reduceOp
         else:
             op = opts
-        result = self._manager.allreduce(tensors[0], reduce_op=_reduce_op(op))
+        manager = self._manager
+        try:
+            manager.wait_quorum()
+        except Exception as exc:  # a failed quorum fails the step, not the caller
+            manager.report_error(exc)
+        if manager.errored() is not None:
+            return CompletedWork(tensors)
+        result = manager.allreduce(tensors[0], reduce_op=_reduce_op(op))
         if isinstance(result, torch.futures.Future) and not isinstance(result, dist._Work):
             from ftdist.manager.work import ResultWork
 
-            return ResultWork(result)
-        work: dist.Work = result
-        return work
+            result = ResultWork(result)
+        return _ManagedWork(manager, result, tensors)
 
     def _collective(self, op: str, args: tuple[Any, ...], post: Post = None) -> dist.Work:
         # Other ops go to the manager's current group, whatever it is now.

@@ -10,7 +10,8 @@ speaks the reconfiguration API of today's torchft:
 * ``pg.reconfigure(opts)``: ``opts.handles`` lists every member's handle in
   rank order; this group's rank is the index of its own handle, and all
   members meet on the first handle's store under the prefix
-  ``torchft/{opts.uuid}``. Returns a completed Work.
+  ``ftdist/{opts.uuid}`` (torchft's groups use ``torchft/{uuid}``; the two
+  kinds never share a rendezvous). Returns a completed Work.
 * :func:`reconfigure_with_store`: exchange the handles through a store and
   reconfigure, for code without a Manager (the Manager exchanges them
   through the lighthouse).
@@ -36,7 +37,7 @@ class _ReconfigureOptions:
     """What a reconfiguration needs; torch's own class where torch has one (>= 2.14).
 
     Args:
-        uuid: the communicator id; members meet under ``torchft/{uuid}``.
+        uuid: the communicator id; members meet under ``ftdist/{uuid}``.
         handles: every member's :meth:`get_reconfigure_handle`, in rank
             order (a list: the order is the rank assignment).
         timeout: how long the rendezvous may take (None: the group's timeout).
@@ -59,7 +60,7 @@ class Rendezvous:
     """Where and as what a group meets its peers, read from the handles.
 
     Args:
-        store_addr: ``host:port/torchft/{uuid}`` on the first handle's store.
+        store_addr: ``host:port/ftdist/{uuid}`` on the first handle's store.
         rank: this group's rank: the index of its own handle.
         world_size: the number of handles.
         uuid: the communicator id.
@@ -127,7 +128,7 @@ def rendezvous(opts: Any, handle_id: str) -> Rendezvous:
         )
     global_ranks = [p[2] for p in peers]
     return Rendezvous(
-        store_addr=f"{peers[0][1]}/torchft/{int(opts.uuid)}",
+        store_addr=f"{peers[0][1]}/ftdist/{int(opts.uuid)}",
         rank=ids.index(handle_id),
         world_size=len(peers),
         uuid=int(opts.uuid),
