@@ -52,7 +52,9 @@ from ftdist.demo.worker import (
     _Batches,
     _leave_together,
     _output_to,
+    _read_stop,
     events_path,
+    log_step,
 )
 from ftdist.launch.ranks import RankContext
 from ftdist.process_group._store import host_store
@@ -306,8 +308,7 @@ def rank_main(ctx: RankContext, cfg: ChaosWorkerConfig, attempt: int) -> None:
         while True:
             began = time.monotonic()
             step = manager.current_step()
-            if stop is None and control.check([STOP_KEY]):
-                stop = int(control.get(STOP_KEY))
+            stop = _read_stop(control, stop)
             if stop is not None and step >= stop:
                 break
             opt.zero_grad()
@@ -315,21 +316,7 @@ def rank_main(ctx: RankContext, cfg: ChaosWorkerConfig, attempt: int) -> None:
             loss = nn.functional.cross_entropy(ddp(x), y)
             loss.backward()
             opt.step()
-            committed = manager.current_step() > step
-            error = manager.errored()
-            log.emit(
-                "step",
-                step=step,
-                ok=committed,
-                loss=loss.item(),
-                quorum_id=manager.quorum_id(),
-                participants=manager.num_participants(),
-                participating=manager.is_participating(),
-                error=str(error).splitlines()[0] if error and not committed else None,
-            )
-            for timeline in manager.heal_timelines[heals_seen:]:
-                log.emit("heal", **timeline.as_dict())
-            heals_seen = len(manager.heal_timelines)
+            heals_seen = log_step(log, manager, step, loss, heals_seen)
             spare = cfg.step_interval_s - (time.monotonic() - began)
             if spare > 0:
                 time.sleep(spare)

@@ -188,25 +188,8 @@ class MessageQueue(QueueWriter, QueueReader):
     ) -> MessageQueue:
         """Build a queue over ``pg`` (collective): ``writer_rank`` writes, the others read.
 
-        Readers on the writer's host (found with :func:`in_the_same_node_as`)
-        read shared memory; the others use the TCP socket.
-
-        Args:
-            pg: a CPU process group (Gloo, or an ftdist group); ranks are its ranks.
-            max_chunk_bytes: bytes per chunk.
-            max_chunks: chunks in the ring.
-            writer_rank: the writing rank.
-            external_writer_handle: a queue written by a process outside
-                ``pg``: ``writer_rank`` passes its handle and every rank of
-                ``pg`` (``writer_rank`` too) becomes a reader.
-            blocking: run :meth:`wait_until_ready` before returning.
-            remote_reader_ranks: ranks to serve over TCP even on the
-                writer's host (what a reader on another host gets).
-            connect_ip: address remote readers connect to.
-            timeout: seconds for the handshake.
-
-        Returns:
-            The writer's or this reader's end of the queue.
+        vLLM's name for :func:`ftdist.coordinator.mq_group.create_from_process_group`,
+        which documents the arguments.
 
         Raises:
             ValueError: ``writer_rank`` is not a rank of ``pg``.

@@ -284,6 +284,29 @@ def replica_main(ctx: RankContext, cfg: WorkerConfig, attempt: int) -> None:
         del own_store
 
 
+def log_step(log: Any, manager: Any, step: int, loss: torch.Tensor, heals_seen: int) -> int:
+    """Log a finished step (and the heals since ``heals_seen``) as events.
+
+    Returns:
+        How many heal timelines have been logged now.
+    """
+    committed = manager.current_step() > step
+    error = manager.errored()
+    log.emit(
+        "step",
+        step=step,
+        ok=committed,
+        loss=loss.item(),
+        quorum_id=manager.quorum_id(),
+        participants=manager.num_participants(),
+        participating=manager.is_participating(),
+        error=str(error).splitlines()[0] if error and not committed else None,
+    )
+    for timeline in manager.heal_timelines[heals_seen:]:
+        log.emit("heal", **timeline.as_dict())
+    return len(manager.heal_timelines)
+
+
 def _read_stop(control: Any, stop: int | None) -> int | None:
     if stop is None and control.check([STOP_KEY]):
         return int(control.get(STOP_KEY))  # set once per run: read it once
@@ -318,21 +341,7 @@ def _train_ddp(
         loss = nn.functional.cross_entropy(ddp(x), y)
         loss.backward()
         opt.step()
-        committed = manager.current_step() > step
-        error = manager.errored()
-        log.emit(
-            "step",
-            step=step,
-            ok=committed,
-            loss=loss.item(),
-            quorum_id=manager.quorum_id(),
-            participants=manager.num_participants(),
-            participating=manager.is_participating(),
-            error=str(error).splitlines()[0] if error and not committed else None,
-        )
-        for timeline in manager.heal_timelines[heals_seen:]:
-            log.emit("heal", **timeline.as_dict())
-        heals_seen = len(manager.heal_timelines)
+        heals_seen = log_step(log, manager, step, loss, heals_seen)
         spare = cfg.step_interval_s - (time.monotonic() - began)
         if spare > 0:
             time.sleep(spare)
