@@ -43,6 +43,11 @@ from ftdist.process_group.error_swallowing import (
 from ftdist.process_group.fake import FakeProcessGroupWrapper
 from ftdist.process_group.gloo import ProcessGroupGloo
 from ftdist.process_group.managed import ManagedProcessGroup, _ManagedWork
+from ftdist.process_group.managed_mesh import (
+    ManagedDeviceMesh,
+    _FlattenDeviceMesh,
+    ft_init_device_mesh,
+)
 from ftdist.process_group.nccl import ProcessGroupNCCL
 from ftdist.process_group.reconfigure import (
     ReconfigureOptions,
@@ -64,6 +69,7 @@ __all__ = [
     "CompletedWork",
     "ErrorSwallowingProcessGroupWrapper",
     "FakeProcessGroupWrapper",
+    "ManagedDeviceMesh",
     "ManagedProcessGroup",
     "PrefixStore",
     "ProcessGroup",
@@ -80,9 +86,11 @@ __all__ = [
     "TCPStore",
     "_DummyWork",
     "_ErrorSwallowingWork",
+    "_FlattenDeviceMesh",
     "_ManagedWork",
     "create_store_client",
     "extend_device_mesh",
+    "ft_init_device_mesh",
     "parse_store_addr",
     "reconfigure_with_store",
 ]
