@@ -135,6 +135,15 @@ def _hsdp(ctx: RankContext) -> dict[str, object]:
         manager.start_quorum()
         out["size_after"] = (mesh.size(), flat.size(), mesh.shape, mesh.size(0))
         out["coordinate"] = mesh.get_coordinate()
+        sub = mesh["dp_replicate"]
+        swapped = mesh["dp_shard", "dp_replicate"]
+        out["slices"] = (
+            sub.size(),
+            sub.get_local_rank(),
+            swapped.get_coordinate(),
+            swapped.get_group(1) is replicate,
+            mesh["dp_shard"].get_group() is mesh.get_group(1),
+        )
         out["local_ranks"] = (
             flat.get_local_rank(),
             mesh.get_local_rank(),
@@ -190,6 +199,7 @@ def test_ft_init_device_mesh_hsdp_over_two_replica_groups() -> None:
         assert out["size_before"] == (_SHARDS, _SHARDS, (1, _SHARDS))
         assert out["size_after"] == (4, 4, (_GROUPS, _SHARDS), _GROUPS)
         assert out["coordinate"] == (group, group_rank)
+        assert out["slices"] == (_GROUPS, group, (group_rank, group), True, True)
         assert out["local_ranks"] == (rank, rank, group, group_rank)
         assert out["loaded"] == (True, True, True, 4)
         assert out["committed"] is True

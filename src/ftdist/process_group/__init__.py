@@ -17,6 +17,10 @@ across a :meth:`~ProcessGroup.configure`.
   :class:`ProcessGroupDummy`, :class:`FakeProcessGroupWrapper`: wrappers for
   fault-tolerant training code and its tests.
 
+- :func:`extend_device_mesh` and :func:`ft_init_device_mesh` (a
+  :class:`ManagedDeviceMesh`) put a fault-tolerant group into a DeviceMesh,
+  for FSDP2/HSDP.
+
 Every group is reconfigured either with ``configure(store_addr, rank,
 world_size)`` (torchft's early-2025 API) or with today's
 ``reconfigure(ReconfigureOptions)`` / :func:`reconfigure_with_store`.
