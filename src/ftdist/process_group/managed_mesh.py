@@ -352,15 +352,27 @@ class _FlattenDeviceMesh(DeviceMesh):
         return NotImplementedError(f"a flattened ManagedDeviceMesh has no {what}")
 
     def __getitem__(self, mesh_dim_names: str | tuple[str, ...]) -> DeviceMesh:
-        """Raises: NotImplementedError: a flattened mesh cannot be sliced."""
+        """Not available on a flattened mesh.
+
+        Raises:
+            NotImplementedError: a flattened mesh cannot be sliced.
+        """
         raise self._unsupported("slices")
 
     def get_group(self, mesh_dim: int | str | None = None) -> Any:
-        """Raises: NotImplementedError: no single group spans the flattened mesh."""
+        """Not available on a flattened mesh.
+
+        Raises:
+            NotImplementedError: no single group spans the flattened mesh.
+        """
         raise self._unsupported("single group")
 
     def get_all_groups(self) -> list[Any]:
-        """Raises: NotImplementedError: no single group spans the flattened mesh."""
+        """Not available on a flattened mesh.
+
+        Raises:
+            NotImplementedError: no single group spans the flattened mesh.
+        """
         raise self._unsupported("groups")
 
     def _flatten(
