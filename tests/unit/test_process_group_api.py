@@ -35,6 +35,8 @@ SEED_NAMES = [
     "ManagedProcessGroup",
     "create_store_client",
     "extend_device_mesh",
+    "ft_init_device_mesh",
+    "ManagedDeviceMesh",
 ]
 
 

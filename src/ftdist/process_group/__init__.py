@@ -17,6 +17,10 @@ across a :meth:`~ProcessGroup.configure`.
   :class:`ProcessGroupDummy`, :class:`FakeProcessGroupWrapper`: wrappers for
   fault-tolerant training code and its tests.
 
+- :func:`extend_device_mesh` and :func:`ft_init_device_mesh` (a
+  :class:`ManagedDeviceMesh`) put a fault-tolerant group into a DeviceMesh,
+  for FSDP2/HSDP.
+
 Every group is reconfigured either with ``configure(store_addr, rank,
 world_size)`` (torchft's early-2025 API) or with today's
 ``reconfigure(ReconfigureOptions)`` / :func:`reconfigure_with_store`.
@@ -43,6 +47,11 @@ from ftdist.process_group.error_swallowing import (
 from ftdist.process_group.fake import FakeProcessGroupWrapper
 from ftdist.process_group.gloo import ProcessGroupGloo
 from ftdist.process_group.managed import ManagedProcessGroup, _ManagedWork
+from ftdist.process_group.managed_mesh import (
+    ManagedDeviceMesh,
+    _FlattenDeviceMesh,
+    ft_init_device_mesh,
+)
 from ftdist.process_group.nccl import ProcessGroupNCCL
 from ftdist.process_group.reconfigure import (
     ReconfigureOptions,
@@ -64,6 +73,7 @@ __all__ = [
     "CompletedWork",
     "ErrorSwallowingProcessGroupWrapper",
     "FakeProcessGroupWrapper",
+    "ManagedDeviceMesh",
     "ManagedProcessGroup",
     "PrefixStore",
     "ProcessGroup",
@@ -80,9 +90,11 @@ __all__ = [
     "TCPStore",
     "_DummyWork",
     "_ErrorSwallowingWork",
+    "_FlattenDeviceMesh",
     "_ManagedWork",
     "create_store_client",
     "extend_device_mesh",
+    "ft_init_device_mesh",
     "parse_store_addr",
     "reconfigure_with_store",
 ]
