@@ -260,12 +260,21 @@ def test_unreachable_lighthouse_as_a_process() -> None:
     assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class WatchProcess:
     """``ftdist status --watch`` as a child process, read line by line."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, sigint_ignored: bool = False) -> None:
         self.proc = subprocess.Popen(
-            [*STATUS_CMD, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            [*STATUS_CMD, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            # As under nohup: the disposition survives exec.
+            preexec_fn=_ignore_sigint if sigint_ignored else None,
         )
         self.seen: list[str] = []
 
@@ -362,3 +371,15 @@ def test_render_durations() -> None:
         "h:1",
     )
     assert "up 3h 02m" in text and "formed 1m 15s ago" in text
+
+
+def test_watch_ends_on_ctrl_c_even_when_started_with_sigint_ignored(lh: Lighthouses) -> None:
+    server = lh.server(min_replicas=1)
+    watch = WatchProcess(server.address(), "--watch", "0.1", "--json", sigint_ignored=True)
+    try:
+        json.loads(watch.read_until(r"^\{"))
+        code, err = watch.interrupt()
+        assert code == 0, err
+        assert "Traceback" not in err
+    finally:
+        watch.kill()

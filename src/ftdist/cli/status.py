@@ -28,6 +28,7 @@ import datetime as dt
 import json
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -258,6 +259,11 @@ def _once(fetcher: _Fetcher, as_json: bool) -> int:
 
 
 def _watch(fetcher: _Fetcher, as_json: bool, period_s: float) -> int:
+    # Ctrl-C is how a watch ends. A process started with SIGINT ignored
+    # (by a parent that ignores it: nohup, some supervisors and test
+    # runners) inherits that, and Python then leaves it ignored.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     out = sys.stdout
     redraw = out.isatty() and not as_json
     while True:
