@@ -196,16 +196,23 @@ def simulate(cfg: Config, lineages: list[Lineage]) -> dict[tuple[int, int], Line
         assert len(members) == wanted or wanted == 0, (key, len(members), wanted)
         fragment = next(r.fragment for _, r in members if r is not None)
         contributions = []
-        for lin, rec in members:
+        for lin, _rec in members:
             lin.train(period - delay, 0)
+        # A heal's source: a member at the quorum's step, still at the point
+        # where it served its state (the quorum).
+        sources = [lin for lin, rec in members if rec is not None and lin.step == key[0]]
+        behind_healed = []
+        for lin, rec in members:
             behind = lin.step != key[0]
             # A member behind the quorum's step heals in it (one that died
-            # before it could record is assumed to have healed: either way
-            # its contribution is zero).
+            # before it could record is assumed to have healed).
             healed = rec.healed if rec is not None else behind
             if healed:
                 assert cfg.algorithm == "diloco", "LocalSGD heals are not modelled"
-                _heal(lin, global_at[key[0]], key[0])
+                assert sources, f"a heal at {key} without a source"
+                _heal(lin, global_at[key[0]], key[0], sources[0])
+            behind_healed.append((behind, healed))
+        for (lin, rec), (behind, healed) in zip(members, behind_healed, strict=True):
             assert fragment == key[0] % n
             zero = (rec is not None and rec.zeroed) or (behind and not healed)
             if cfg.algorithm == "diloco":
@@ -259,12 +266,20 @@ def simulate(cfg: Config, lineages: list[Lineage]) -> dict[tuple[int, int], Line
 
 
 def _heal(
-    lin: Lineage, state: list[tuple[dict[str, torch.Tensor], dict[str, Any]]], step: int
+    lin: Lineage,
+    state: list[tuple[dict[str, torch.Tensor], dict[str, Any]]],
+    step: int,
+    source: Lineage,
 ) -> None:
+    """The global state of ``step``, and the source's local weights and inner
+    optimizer state (the workers' own state_dict moves those)."""
     for f, (backup, outer_state) in enumerate(state):
         lin.backups[f] = {n: t.clone() for n, t in backup.items()}
         lin.outers[f].load_state_dict(copy.deepcopy(outer_state))
-        lin.set_block(f, lin.backups[f])
+    with torch.no_grad():
+        for mine, theirs in zip(lin.model.parameters(), source.model.parameters(), strict=True):
+            mine.copy_(theirs)
+    lin.inner.load_state_dict(copy.deepcopy(source.inner.state_dict()))
     lin.step = step
 
 

@@ -187,7 +187,7 @@ def test_groups_killed_before_during_and_after_a_sync_match_the_reference(
 ) -> None:
     """Replica 1 is SIGKILLed three times: between two syncs, with its
     average in flight, and right after a committed sync. Each restart heals
-    the global state from replica 0 and drops its own local progress; the
+    the global state from replica 0 and takes over its local weights; the
     replay of the recorded membership must match every survivor bit for bit."""
     server = lh.server(min_replicas=1, join_timeout_ms=30_000, heartbeat_timeout_ms=5_000)
     cfg = Config("diloco", n_fragments=2, sync_every=4, delay=1, alpha=0.5, inner="sgd")

@@ -110,18 +110,25 @@ def test_diloco_heals_the_global_state_and_its_fragment_follows_the_healed_step(
     try:
         reduced: list[int] = []
         real_allreduce = manager.allreduce
+        # Fragment 1's pseudo-gradient, from the received state: its global
+        # weights minus the source's local ones (the model moves with the
+        # user's state, as in torchft), not from this replica's own progress.
+        b_global = sent["user"]["StreamingDiLoCoFragment_1"]["original_parameters"]
+        src_model = sent["user"]["default"]["model"]
+        expected = [b_global[n] - src_model[f"b.{n}"] for n in ("weight", "bias")]
+        assert any(bool(e.abs().sum() > 0) for e in expected)  # the source trained b since
 
         def allreduce(tensor: torch.Tensor, **kwargs: Any) -> Any:
             reduced.append(tensor.numel())
             if len(reduced) <= 2:
-                assert torch.equal(tensor, torch.zeros_like(tensor))  # zero pseudo-gradient
+                assert torch.equal(tensor, expected[len(reduced) - 1])
             return real_allreduce(tensor, **kwargs)
 
         manager.allreduce = allreduce  # type: ignore[method-assign]
         diloco = DiLoCo(manager, [net.a, net.b], inner, outers, sync_every=2)
         client.push_quorum(_heal_quorum(3))
         with diloco:
-            _step(net, inner)  # local progress from its own (wrong) start: dropped
+            _step(net, inner)  # local progress from its own (wrong) start: replaced
         # Healed to step 3: fragment 3 % 2 = 1 (net.b: 2 + 1 elements).
         assert reduced == [2, 1]
         assert manager.current_step() == 4
@@ -129,10 +136,12 @@ def test_diloco_heals_the_global_state_and_its_fragment_follows_the_healed_step(
             assert fingerprint(diloco._fragments[f]._consistency()) != {}
         keys = manager.consistency_keys()
         assert keys == ["StreamingDiLoCoFragment_0", "StreamingDiLoCoFragment_1"]
-        # Fragment 0 was not synced: its weights are the received global ones.
+        # Fragment 0 was not synced: it holds the source's local weights, and
+        # its global weights are the source's.
         a_global = sent["user"]["StreamingDiLoCoFragment_0"]["original_parameters"]
         for name, p in net.a.named_parameters():
-            assert torch.equal(p.data, a_global[name])
+            assert torch.equal(p.data, src_model[f"a.{name}"])
+            assert torch.equal(diloco._fragments[0].original_parameters[name], a_global[name])
     finally:
         manager.shutdown()
 

@@ -26,14 +26,13 @@ left at the last global weights: the local progress since the last sync is
 discarded, never half-applied.
 
 A replica that heals receives its source's global weights and outer
-optimizer state, and its fragments' local weights restart from those global
-weights: its local progress (made from a state it no longer holds) is
-dropped, and at the sync where it healed it contributes a zero
-pseudo-gradient. (torchft keeps the source's local weights instead, whose
-progress then counts twice; and a source that keeps training while a peer
-downloads its local weights could hand out a torn copy. The global state is
-never torn: it changes only after the vote, which waits for transfers in
-flight.)
+optimizer state here; its local weights are whatever the user's own state
+(the Manager's ``load_state_dict``) moves, as in torchft: with the model in
+it (torchft's examples), the healed replica trains on from its source's
+local weights, and at the sync where it healed both contribute the same
+pseudo-gradient. The global state is never torn: it changes only after the
+vote, which waits for transfers in flight; DiLoCo keeps a source's local
+weights still while a peer downloads them (see :mod:`ftdist.local_sgd.diloco`).
 """
 
 from __future__ import annotations
@@ -225,9 +224,9 @@ class _StreamingDiLoCoFragment:
                 if name in self.original_parameters:
                     self.original_parameters[name].copy_(t)
         self._outer_optimizer.load_state_dict(state["outer_optimizer"])
-        # The local weights were trained from a global state this replica
-        # no longer holds: start again from the one received.
-        self.restore_parameters()
+        # The local weights are the user's state (the Manager's "default"
+        # key), as in torchft: resetting them here would override the model
+        # the user's load_state_dict just received (docs/local_sgd.md).
 
     def _consistency(self) -> dict[str, Any]:
         outer = self._outer_optimizer
