@@ -52,9 +52,8 @@ from ftdist.demo.worker import (
     _Batches,
     _leave_together,
     _output_to,
-    _read_stop,
     events_path,
-    log_step,
+    train_ddp,
 )
 from ftdist.launch.ranks import RankContext
 from ftdist.process_group._store import host_store
@@ -228,9 +227,7 @@ def rank_main(ctx: RankContext, cfg: ChaosWorkerConfig, attempt: int) -> None:
     os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from ftdist.checkpointing import HTTPTransport
-    from ftdist.ddp import DistributedDataParallel
     from ftdist.manager import Manager
-    from ftdist.optim import OptimizerWrapper
     from ftdist.process_group import ProcessGroupGloo
 
     path = events_path(cfg.events_dir, ctx.rank, attempt)
@@ -300,26 +297,8 @@ def rank_main(ctx: RankContext, cfg: ChaosWorkerConfig, attempt: int) -> None:
         deadline = time.monotonic() + START_WAIT_S
         while int(control.add(UP_KEY, 0)) < cfg.world_size and time.monotonic() < deadline:
             time.sleep(0.02)
-    ddp = DistributedDataParallel(manager, model)
-    opt = OptimizerWrapper(manager, optim)
-    heals_seen = 0
-    stop: int | None = None
     try:
-        while True:
-            began = time.monotonic()
-            step = manager.current_step()
-            stop = _read_stop(control, stop)
-            if stop is not None and step >= stop:
-                break
-            opt.zero_grad()
-            x, y = batches(step)
-            loss = nn.functional.cross_entropy(ddp(x), y)
-            loss.backward()
-            opt.step()
-            heals_seen = log_step(log, manager, step, loss, heals_seen)
-            spare = cfg.step_interval_s - (time.monotonic() - began)
-            if spare > 0:
-                time.sleep(spare)
+        train_ddp(manager, model, optim, batches, control, log, cfg.step_interval_s)
         eval_loss, accuracy = task.evaluate(model, held_out)
         log.emit(
             "final",

@@ -265,7 +265,7 @@ def replica_main(ctx: RankContext, cfg: WorkerConfig, attempt: int) -> None:
         if cfg.algorithm == "diloco":
             digest, what = _train_diloco(cfg, manager, model, optim, batches, control, log)
         else:
-            _train_ddp(cfg, manager, model, optim, batches, control, log)
+            train_ddp(manager, model, optim, batches, control, log, cfg.step_interval_s)
             digest, what = task.state_hash(model, optim), "weights and optimizer state"
         eval_loss, accuracy = task.evaluate(model, held_out)
         log.emit(
@@ -313,16 +313,20 @@ def _read_stop(control: Any, stop: int | None) -> int | None:
     return stop
 
 
-def _train_ddp(
-    cfg: WorkerConfig,
+def train_ddp(
     manager: Any,
     model: nn.Module,
     optim: torch.optim.Optimizer,
     batches: _Batches,
     control: Any,
-    log: EventLog,
+    log: Any,
+    step_interval_s: float,
 ) -> None:
-    """One allreduce of the gradients per step, until the stop step."""
+    """Train with one allreduce of the gradients per step until the stop step.
+
+    Each step takes at least ``step_interval_s``; each is logged to ``log``
+    (:func:`log_step`). The stop step is read from ``control`` (``STOP_KEY``).
+    """
     from ftdist.ddp import DistributedDataParallel
     from ftdist.optim import OptimizerWrapper
 
@@ -342,7 +346,7 @@ def _train_ddp(
         loss.backward()
         opt.step()
         heals_seen = log_step(log, manager, step, loss, heals_seen)
-        spare = cfg.step_interval_s - (time.monotonic() - began)
+        spare = step_interval_s - (time.monotonic() - began)
         if spare > 0:
             time.sleep(spare)
 
