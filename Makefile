@@ -10,10 +10,11 @@ STAMP := $(VENV)/.ftdist-installed
 PYTEST_ARGS ?=
 # Test processes for `make pytest`/`test-fast` (pytest-xdist; 0: run in this
 # one). Most tests wait on processes, sockets and timeouts rather than
-# compute, so two workers take about half the time even on 2 cores; each
-# test file stays on one worker (module fixtures are built once).
+# compute, so two workers take about half the time even on 2 cores. Tests
+# marked with one xdist_group run in turn on one worker: module fixtures,
+# and the machine-loading chaos and demo runs.
 PYTEST_WORKERS ?= 2
-XDIST := -n $(PYTEST_WORKERS) --dist loadfile
+XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
 SOURCES := src tests bench examples
 
 .PHONY: setup setup-browser demo chaos check test pytest test-unit test-fast lint format typecheck \

@@ -25,6 +25,12 @@ import pytest
 from ftdist.chaos import netns, schedule
 from tests._procs import processes_with
 
+# One worker runs these in turn (make pytest: pytest-xdist, loadgroup):
+# the chaos suite and the demos each load the whole machine, and a demo
+# whose groups are starved by a concurrent chaos run never gets healthy
+# enough to be struck.
+pytestmark = pytest.mark.xdist_group("heavy")
+
 NAMESPACES = netns.unavailable() is None
 KINDS = [
     schedule.KILL,

@@ -16,6 +16,10 @@ import pytest
 from ftdist.launch.ranks import RankContext, run_ranks
 from tests.integration.collective_checks import CHECKS, first_line
 
+# One worker runs these in turn (make pytest: pytest-xdist, loadgroup):
+# the module fixture runs every collective once for all tests.
+pytestmark = pytest.mark.xdist_group("collectives")
+
 TABLE_DOC = Path(__file__).resolve().parents[2] / "docs" / "compatibility.md"
 START, END = "<!-- compat-table:start -->", "<!-- compat-table:end -->"
 KINDS = ("gloo", "baby-gloo")

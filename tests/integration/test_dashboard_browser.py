@@ -11,7 +11,7 @@ from ftdist.coordination import LighthouseServer
 from tests._browser import Chromium, find_chromium, parse_dom, png_size
 from tests.integration.lighthouse_helpers import TIMEOUT, Lighthouses, get_json, pool, wait_until
 
-pytestmark = [pytest.mark.browser, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(120), pytest.mark.xdist_group("browser")]
 
 
 @pytest.fixture(scope="session")

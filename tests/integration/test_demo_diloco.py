@@ -9,6 +9,12 @@ import pytest
 
 from tests.integration.test_demo import DemoProcess
 
+# One worker runs these in turn (make pytest: pytest-xdist, loadgroup):
+# the chaos suite and the demos each load the whole machine, and a demo
+# whose groups are starved by a concurrent chaos run never gets healthy
+# enough to be struck.
+pytestmark = pytest.mark.xdist_group("heavy")
+
 
 @pytest.fixture
 def runs(tmp_path: Path) -> Iterator[list[DemoProcess]]:
@@ -38,7 +44,7 @@ def test_diloco_demo_with_failures_ends_with_one_global_state(
     assert len(verdict["hashes"]) == 3 and len(set(verdict["hashes"].values())) == 1
     assert "global weights and outer optimizer state" in verdict["reason"]
     main = report["run"]
-    assert main["injections"], "no failure was injected"
+    assert main["injections"], f"no failure was injected: {stdout[-3000:]}"
     for injection in main["injections"]:
         assert injection["back_s"] is not None, injection
     # Every victim came back by healing the global state from a survivor.

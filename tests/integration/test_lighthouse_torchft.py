@@ -18,7 +18,7 @@ from ftdist.errors import CoordinationError
 from ftdist.lighthouse.client import LighthouseClient
 from tests.integration.lighthouse_helpers import TIMEOUT, Lighthouses, member_ids
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.xdist_group("torchft")]
 
 
 def _load_native_torchft() -> ModuleType:
