@@ -137,7 +137,6 @@ class _TimeoutManager:
         self._cond = threading.Condition()
         self._heap: list[tuple[float, int, _Timer]] = []
         self._seq = itertools.count()
-        self._live = 0
         self._thread: threading.Thread | None = None
         self._watchdog_thread: threading.Thread | None = None
         self._thread_done = threading.Event()
@@ -154,7 +153,6 @@ class _TimeoutManager:
         timer = _Timer(time.monotonic() + timeout.total_seconds(), callback)
         with self._cond:
             heapq.heappush(self._heap, (timer.deadline, next(self._seq), timer))
-            self._live += 1
             self._start_locked()
             self._cond.notify()
         return _ScheduledTimer(self, timer)
@@ -163,7 +161,6 @@ class _TimeoutManager:
         with self._cond:
             if not timer.cancelled:
                 timer.cancelled = True
-                self._live -= 1
                 self._cond.notify()
 
     def _start_locked(self) -> None:
@@ -207,7 +204,6 @@ class _TimeoutManager:
                 continue
             heapq.heappop(self._heap)
             timer.cancelled = True
-            self._live -= 1
             self._running_since = now
             return timer
 
@@ -253,7 +249,6 @@ class _TimeoutManager:
             for _, _, timer in self._heap:
                 timer.cancelled = True
             self._heap.clear()
-            self._live = 0
             self._stopping = True
             self._cond.notify_all()
             thread, watchdog = self._thread, self._watchdog_thread

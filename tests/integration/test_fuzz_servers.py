@@ -13,7 +13,6 @@ from __future__ import annotations
 import random
 import socket
 import struct
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -436,11 +435,9 @@ def test_fuzzed_dashboard_stays_up_and_correct(lh: Lighthouses) -> None:
         for _ in range(40):
             replies.append(_http_exchange(port, _http_request(rng), rng))
 
-    started = time.monotonic()
     with pool(8) as executor:
         for future in [executor.submit(worker, i) for i in range(8)]:
             future.result(60)
-    assert time.monotonic() - started < 80
     answered = [r for r in replies if r]
     assert len(answered) > len(replies) // 3
     for reply in answered:

@@ -16,6 +16,8 @@ pytestmark = pytest.mark.timeout(30)
         (["--groups", "1"], "--groups 1"),
         (["--group-size", "9"], "--group-size 9"),
         (["--duration", "5"], "--duration 5"),
+        (["--duration", "0"], "--duration 0"),
+        (["--short", "--duration", "0"], "--duration 0"),
         (["--kinds", "kill,explode"], "--kinds kill,explode"),
         (["--gap", "4", "2"], "--gap"),
         (["--ballast", "-1"], "--ballast -1"),

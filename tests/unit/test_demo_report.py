@@ -244,17 +244,17 @@ def test_terminal_view_clips_to_the_terminal(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_old_events_are_cleared_but_foreign_files_refuse(tmp_path: Any) -> None:
-    from ftdist.demo.run import _clear_events
+    from ftdist.demo.run import clear_events
 
     run = tmp_path / "events" / "run"
     run.mkdir(parents=True)
     (run / "replica0.attempt0.jsonl").write_text("{}\n")
     (run / "replica0.attempt0.log").write_text("log\n")
-    _clear_events(str(tmp_path / "events"))
+    clear_events(str(run))
     assert list(run.iterdir()) == []
     (run / "thesis.tex").write_text("precious")
     with pytest.raises(ValueError, match=r"thesis\.tex"):
-        _clear_events(str(tmp_path / "events"))
+        clear_events(str(run))
     assert (run / "thesis.tex").read_text() == "precious"
 
 

@@ -413,7 +413,7 @@ def test_a_heal_loads_the_global_state_and_leaves_the_local_weights_to_the_user_
 
 
 def test_a_new_diloco_on_the_same_manager_takes_over_the_state_keys() -> None:
-    model, inner, first, manager = _setup()
+    model, inner, _first, manager = _setup()
     outer2 = torch.optim.SGD(model.parameters(), lr=0.1)
     second = DiLoCo(manager, [model], inner, outer2, sync_every=2)
     assert manager.register_state_dict_fn.call_count == 1  # registered once...
@@ -423,7 +423,6 @@ def test_a_new_diloco_on_the_same_manager_takes_over_the_state_keys() -> None:
     assert torch.equal(
         save()["original_parameters"]["w1"], torch.full((2,), 7.0)
     )  # ...now the new one's
-    assert first is not second
 
 
 def test_local_sgd_digest_moves_with_a_heal_and_follows_committed_syncs() -> None:
@@ -569,8 +568,6 @@ def test_buckets_hold_every_tensor_once_in_order_within_the_cap() -> None:
     sizes = [0, 1, 3, 4, 5, 9]
     kinds = ["a", "b"]
     for n in range(5):
-        for combo in itertools.product(sizes, kinds, repeat=1):
-            del combo
         for tensors in itertools.product(itertools.product(sizes, kinds), repeat=n):
             for cap in (1, 4, 8):
                 buckets = plan_buckets(list(tensors), cap)

@@ -18,7 +18,6 @@ import json
 import logging
 import math
 import os
-import re
 import signal
 import sys
 import time
@@ -27,6 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, TextIO
 
 from ftdist.chaos import schedule
+from ftdist.demo.run import clear_events, log_to
 
 __all__ = ["ChaosConfig", "run_chaos"]
 
@@ -96,31 +96,6 @@ class ChaosConfig:
             raise ValueError(f"--step-interval {self.step_interval_s}: give 0 to 5 seconds")
         if not self.out:
             raise ValueError("--out must name a directory")
-
-
-def _clear_events(folder: str) -> None:
-    ours = re.compile(r"replica\d+\.attempt\d+\.(jsonl|log)")
-    if not os.path.isdir(folder):
-        return
-    names = os.listdir(folder)
-    strangers = [n for n in names if not ours.fullmatch(n)]
-    if strangers:
-        raise ValueError(
-            f"{folder} holds files the chaos suite did not write ({strangers[0]}, ...); "
-            "give --out a directory of its own"
-        )
-    for name in names:
-        os.remove(os.path.join(folder, name))
-
-
-def _log_to(path: str) -> logging.Handler:
-    handler = logging.FileHandler(path, mode="w", encoding="utf-8")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
-    logger = logging.getLogger("ftdist")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-    return handler
 
 
 def _alive(pid: int, started: str) -> bool:
@@ -219,9 +194,12 @@ def run_chaos(opts: ChaosConfig, stream: TextIO | None = None) -> int:
 
     os.makedirs(opts.out, exist_ok=True)
     events = os.path.join(opts.out, EVENTS_DIR)
-    _clear_events(events)
+    clear_events(events, "the chaos suite")
     interrupt = Interrupt()
-    handler = _log_to(os.path.join(opts.out, "supervisor.log"))
+    handler = log_to(os.path.join(opts.out, "supervisor.log"))
+    logger = logging.getLogger("ftdist")
+    level = logger.level
+    logger.setLevel(logging.INFO)
     previous = signal.signal(signal.SIGINT, interrupt)
     network = None
     lighthouse = None
@@ -305,7 +283,7 @@ def run_chaos(opts: ChaosConfig, stream: TextIO | None = None) -> int:
             lighthouse.stop()
         if network is not None:
             network.destroy()
-        logger = logging.getLogger("ftdist")
         logger.removeHandler(handler)
         logger.propagate = True
+        logger.setLevel(level)
         handler.close()

@@ -143,10 +143,6 @@ class ObservedTransport(CheckpointTransport[Any]):
         self._inner = inner
         self._log = log
 
-    def address(self) -> str:
-        """The inner transport's address (where peers fetch this trainer's state)."""
-        return str(self._inner.metadata())
-
     def metadata(self) -> str:
         """The inner transport's metadata."""
         return str(self._inner.metadata())
@@ -288,7 +284,7 @@ def rank_main(ctx: RankContext, cfg: ChaosWorkerConfig, attempt: int) -> None:
         attempt=attempt,
         group=group,
         rank=rank,
-        checkpoint=transport.address(),
+        checkpoint=transport.metadata(),
         replica_id=manager.replica_id(),
     )
     if attempt == 0:

@@ -131,24 +131,28 @@ class PGTransport(CheckpointTransport[T]):
         stream = _wire.plan(state_dict, step)[0]
         prefix = _on(self._device, stream.head[: _wire.PREFIX_BYTES])
         header = _on(self._device, stream.head[_wire.PREFIX_BYTES :])
-        total = 0
+        # The CRC is folded in while each tensor goes to the first peer (no
+        # separate pass over the state); later peers reuse the trailer.
+        crc, total = zlib.crc32(stream.head), len(stream.head)
+        trailer: torch.Tensor | None = None
         for dst in dst_ranks:
             what = f"send to rank {dst}"
             self._wait(self._pg.send([prefix], dst, _TAG_PREFIX), timeout, what)
             self._wait(self._pg.send([header], dst, _TAG_HEADER), timeout, what)
-            # The CRC is folded in while each tensor is on the wire: no
-            # separate pass over the state before sending.
-            crc, total = zlib.crc32(stream.head), len(stream.head)
             for i, t in enumerate(stream.tensors):
                 flat = _wire.flat_bytes(t)
                 if not flat.numel():
                     continue
                 wire = flat.to(self._device)
                 work = self._pg.send([wire], dst, _TAG_TENSOR + i)
-                crc = _wire.crc_flat(crc, flat)
-                total += flat.numel()
+                if trailer is None:
+                    # Checksum a host copy if there is one: a device tensor
+                    # would be copied to the host again for it.
+                    crc = _wire.crc_flat(crc, wire if wire.device.type == "cpu" else flat)
+                    total += flat.numel()
                 self._wait(work, timeout, what)
-            trailer = _on(self._device, _wire.trailer_bytes(total, crc))
+            if trailer is None:
+                trailer = _on(self._device, _wire.trailer_bytes(total, crc))
             self._wait(self._pg.send([trailer], dst, _TAG_TRAILER), timeout, what)
         self.last_transfer = TransferStats(total * len(dst_ranks), time.perf_counter() - start)
 

@@ -96,7 +96,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _handle(args: argparse.Namespace) -> int:
-    duration = args.duration or (SHORT_DURATION_S if args.short else ChaosConfig.duration_s)
+    duration = args.duration
+    if duration is None:
+        duration = SHORT_DURATION_S if args.short else ChaosConfig.duration_s
     gap = tuple(args.gap) if args.gap else (SHORT_GAP_S if args.short else ChaosConfig.gap_s)
     try:
         opts = ChaosConfig(

@@ -47,6 +47,7 @@ MIN_KILL_EVERY_S = 2.0
 EVENTS_DIR = "events"
 ALGORITHMS = ("ddp", "diloco")
 MAX_SYNC_EVERY = 1000
+_EVENT_FILE = re.compile(r"replica\d+\.attempt\d+\.(jsonl|log)")
 
 
 @dataclass(frozen=True)
@@ -184,33 +185,34 @@ def _start_lighthouse(opts: DemoConfig, view: LiveView) -> tuple[Any, str, str |
     return server, server.address(), dashboard, HEARTBEAT_TIMEOUT_MS
 
 
-def _clear_events(events_root: str) -> None:
-    """Remove a previous demo's events from ``events_root``, and nothing else.
+def clear_events(folder: str, who: str = "the demo") -> None:
+    """Remove earlier trainers' event files from ``folder``, and nothing else.
 
     Raises:
-        ValueError: the directory holds files the demo did not write (``--out``
-            points somewhere else than a demo directory).
+        ValueError: the folder holds files ``who`` did not write (``--out``
+            points somewhere else than a directory of its own).
     """
-    ours = re.compile(r"replica\d+\.attempt\d+\.(jsonl|log)")
-    for run in ("run", "baseline"):
-        folder = os.path.join(events_root, run)
-        if not os.path.isdir(folder):
-            continue
-        names = os.listdir(folder)
-        strangers = [n for n in names if not ours.fullmatch(n)]
-        if strangers:
-            raise ValueError(
-                f"{folder} holds files the demo did not write ({strangers[0]}, "
-                "...); give --out a directory of its own"
-            )
-        for name in names:
-            os.remove(os.path.join(folder, name))
+    if not os.path.isdir(folder):
+        return
+    names = os.listdir(folder)
+    strangers = [n for n in names if not _EVENT_FILE.fullmatch(n)]
+    if strangers:
+        raise ValueError(
+            f"{folder} holds files {who} did not write ({strangers[0]}, ...); "
+            "give --out a directory of its own"
+        )
+    for name in names:
+        os.remove(os.path.join(folder, name))
 
 
-def _log_to(path: str) -> logging.Handler:
-    # The embedded lighthouse reports every failure it detects as a warning;
-    # in the demo those are expected, and they belong in a file rather than
-    # across the live view.
+def log_to(path: str) -> logging.Handler:
+    """Send ftdist's log records to the file ``path`` instead of the terminal.
+
+    The embedded lighthouse reports every failure it detects as a warning; in
+    a run that injects failures those are expected, and they belong in a file
+    rather than across the live view. Undo with ``logging.getLogger("ftdist")``:
+    ``removeHandler`` the returned handler and set ``propagate`` back.
+    """
     handler = logging.FileHandler(path, mode="w", encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
     ftdist_logger = logging.getLogger("ftdist")
@@ -244,10 +246,11 @@ def run_demo(opts: DemoConfig, stream: TextIO | None = None) -> int:
 
     os.makedirs(opts.out, exist_ok=True)
     events_root = os.path.join(opts.out, EVENTS_DIR)
-    _clear_events(events_root)
+    for run in ("run", "baseline"):
+        clear_events(os.path.join(events_root, run))
     interrupt = Interrupt()
     server = None
-    log_handler = _log_to(os.path.join(opts.out, "supervisor.log"))
+    log_handler = log_to(os.path.join(opts.out, "supervisor.log"))
     previous = signal.signal(signal.SIGINT, interrupt)
     try:
         server, lighthouse, dashboard, heartbeat_ms = _start_lighthouse(opts, view)

@@ -284,27 +284,33 @@ def replica_main(ctx: RankContext, cfg: WorkerConfig, attempt: int) -> None:
         del own_store
 
 
+def _emit_step(
+    log: Any, manager: Any, step: int, committed: bool, loss: float, timelines: list[Any]
+) -> None:
+    error = manager.errored()
+    log.emit(
+        "step",
+        step=step,
+        ok=committed,
+        loss=loss,
+        quorum_id=manager.quorum_id(),
+        participants=manager.num_participants(),
+        participating=manager.is_participating(),
+        error=str(error).splitlines()[0] if error and not committed else None,
+    )
+    for timeline in timelines:
+        log.emit("heal", **timeline.as_dict())
+
+
 def log_step(log: Any, manager: Any, step: int, loss: torch.Tensor, heals_seen: int) -> int:
     """Log a finished step (and the heals since ``heals_seen``) as events.
 
     Returns:
         How many heal timelines have been logged now.
     """
-    committed = manager.current_step() > step
-    error = manager.errored()
-    log.emit(
-        "step",
-        step=step,
-        ok=committed,
-        loss=loss.item(),
-        quorum_id=manager.quorum_id(),
-        participants=manager.num_participants(),
-        participating=manager.is_participating(),
-        error=str(error).splitlines()[0] if error and not committed else None,
-    )
-    for timeline in manager.heal_timelines[heals_seen:]:
-        log.emit("heal", **timeline.as_dict())
-    return len(manager.heal_timelines)
+    timelines = manager.heal_timelines[heals_seen:]
+    _emit_step(log, manager, step, manager.current_step() > step, loss.item(), timelines)
+    return heals_seen + len(timelines)
 
 
 def _read_stop(control: Any, stop: int | None) -> int | None:
@@ -393,23 +399,11 @@ def _train_diloco(
             inner.step()  # the last inner step of a period also syncs
             if diloco._local_step == 0:
                 timelines = manager.heal_timelines[heals_seen:]
-                heals_seen = len(manager.heal_timelines)
+                heals_seen += len(timelines)
                 healed = [t.step for t in timelines if t.role == "receive"]
                 sync_step = healed[-1] if healed else step
                 committed = manager.current_step() == sync_step + 1
-                error = manager.errored()
-                log.emit(
-                    "step",
-                    step=sync_step,
-                    ok=committed,
-                    loss=sum(losses) / len(losses),
-                    quorum_id=manager.quorum_id(),
-                    participants=manager.num_participants(),
-                    participating=manager.is_participating(),
-                    error=str(error).splitlines()[0] if error and not committed else None,
-                )
-                for timeline in timelines:
-                    log.emit("heal", **timeline.as_dict())
+                _emit_step(log, manager, sync_step, committed, sum(losses) / len(losses), timelines)
                 losses = []
             spare = interval - (time.monotonic() - began)
             if spare > 0:

@@ -42,11 +42,13 @@ def child_main(conn: Connection) -> None:
     # decides when its backend dies, not the keyboard.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
+        conn.send(("up",))
         msg = conn.recv()
         if msg[0] == "configure":
             backend = _configure(conn, *msg[1:])
             if backend is not None:
-                _serve(conn, backend)
+                # An XCCL backend's tensors are XPU tensors: known once, not per op.
+                _serve(conn, backend, xpu=msg[1] == "xccl")
     except (EOFError, OSError):
         pass
     # Skip interpreter teardown: a backend blocked on a dead peer would make
@@ -112,7 +114,7 @@ def _on_done(
     reply(("done", op_id, None, extra))
 
 
-def _serve(conn: Connection, backend: Any) -> None:
+def _serve(conn: Connection, backend: Any, xpu: bool) -> None:
     importer = Importer()
     send_lock = threading.Lock()
 
@@ -141,13 +143,6 @@ def _serve(conn: Connection, backend: Any) -> None:
         if work is None:
             reply(("done", op_id, None, None))
             continue
-        xpu = any(isinstance(t, torch.Tensor) and t.device.type == "xpu" for t in _tensors(decoded))
         on_complete(
             work, functools.partial(_on_done, reply, op_id, name, work, event is not None, xpu)
         )
-
-
-def _tensors(obj: Any) -> list[Any]:
-    if isinstance(obj, (list, tuple)):
-        return [x for o in obj for x in _tensors(o)]
-    return [obj]

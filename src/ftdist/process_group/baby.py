@@ -149,6 +149,11 @@ class _BabyWork(dist._Work):
         return self._outputs
 
 
+# How long a child may take to start (fork from the fork server, which may
+# itself still be importing torch) before its configure deadline starts.
+CHILD_START_TIMEOUT = timedelta(seconds=60)
+
+
 class _Child:
     """The parent's handle on one configured child process."""
 
@@ -190,6 +195,17 @@ class _Child:
     def configure(
         self, kind: str, store_addr: str, rank: int, world_size: int, device: int | None
     ) -> None:
+        # The configure deadline counts from a running child: a child still
+        # being forked (a cold fork server on a busy machine takes seconds)
+        # must not eat into a short timeout.
+        if not self.conn.poll(CHILD_START_TIMEOUT.total_seconds()):
+            raise BackendProcessError(
+                f"{self.describe()} did not start within {CHILD_START_TIMEOUT.total_seconds():g} s"
+            )
+        try:
+            self.conn.recv()  # ("up",)
+        except (EOFError, OSError) as exc:
+            raise BackendProcessError(f"{self.describe()} exited before configure") from exc
         self.conn.send(("configure", kind, store_addr, rank, world_size, self.timeout, device))
         # The child bounds its own connect by timeout + WAIT_MARGIN (Gloo
         # ignores its timeout across a partition); wait one margin longer so
