@@ -92,7 +92,8 @@ def train(
     """Train until ``steps`` steps are committed; return what the test checks.
 
     ``actions_by_rank[rank]``: ``{"die_at_step": n}`` SIGKILLs this process once the manager
-    reaches step n (mid-allreduce when ``"mid_allreduce"`` is set);
+    reaches step n or later (a rank that joined late may heal past n), mid-allreduce when
+    ``"mid_allreduce"`` is set;
     ``{"die_during_heal": True}`` SIGKILLs it while it receives a heal.
     """
     from ftdist.checkpointing import PGTransport
@@ -186,12 +187,14 @@ def train(
                 deadline = time.monotonic() + 60
                 while int(ctx.store().add("rejoined", 0)) < 1 and time.monotonic() < deadline:
                     time.sleep(0.02)
-            if actions.get("die_at_step") == step and not actions.get("mid_allreduce"):
+            die = actions.get("die_at_step")
+            die_now = die is not None and step >= die
+            if die_now and not actions.get("mid_allreduce"):
                 os.kill(os.getpid(), signal.SIGKILL)
             opt.zero_grad()
             x = batch(step, replica, group_rank)
             loss = loss_fn(ddp(x), x.sum(dim=1, keepdim=True))
-            if actions.get("die_at_step") == step and actions.get("mid_allreduce"):
+            if die_now and actions.get("mid_allreduce"):
                 manager.wait_quorum()
                 os.kill(os.getpid(), signal.SIGKILL)
             loss.backward()
