@@ -5,6 +5,9 @@ new constructor orders, and the Baby group's torchft-visible behaviour."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -275,6 +278,29 @@ def test_baby_configure_with_a_missing_peer_is_a_timeout_error(store: dist.TCPSt
         with pytest.raises(TimeoutError, match=r"timed out after 0\.05 seconds") as info:
             pg.configure(_addr(store), 0, 2)
         assert isinstance(info.value, RuntimeError)  # what ftdist's own callers catch
+    finally:
+        pg.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_baby_child_that_never_answers_configure_names_the_configured_timeout(
+    store: dist.TCPStore,
+) -> None:
+    # A stopped child never answers: the parent's backstop, not the child's
+    # own error, reports the timeout, and says the same thing.
+    pg = ProcessGroupBabyGloo(timeout=timedelta(milliseconds=50))
+    try:
+        deadline = time.monotonic() + 60
+        while pg._spares._spare is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pg._spares._spare is not None
+        proc, conn = pg._spares._spare
+        assert conn.poll(60)  # the child said "up"; the message stays queued
+        os.kill(proc.pid, signal.SIGSTOP)
+        with pytest.raises(TimeoutError, match=r"timed out after 0\.05 seconds .*no answer"):
+            pg.configure(_addr(store), 0, 2)
+        proc.join(10)
+        assert proc.exitcode == -signal.SIGKILL
     finally:
         pg.shutdown()
 

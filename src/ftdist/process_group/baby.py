@@ -212,8 +212,13 @@ class _Child:
         # that its precise error, not this backstop, reports a slow peer.
         limit = (self.timeout + 2 * WAIT_MARGIN).total_seconds()
         if not self.conn.poll(limit):
+            # Name the configured timeout, as the child's own error does: a
+            # caller matching "timed out after <timeout> seconds" (torchft's
+            # tests do) must not depend on which side noticed first.
             raise CollectiveTimeoutError(
-                f"{self.describe()}: configure timed out after {limit} seconds (no answer)"
+                f"{self.describe()}: configure timed out after "
+                f"{self.timeout.total_seconds()} seconds (the child gave no answer "
+                f"within {limit:g} s)"
             )
         msg = self.conn.recv()
         if msg[0] != "ready":
