@@ -45,6 +45,26 @@ def _wait_heartbeat(lighthouse: str, replica_id: str, timeout: float = 30.0) -> 
     raise TimeoutError(f"the lighthouse never saw a heartbeat of {replica_id}")
 
 
+def _wait_peer_waiting(lighthouse: str, replica_id: str, timeout: float = 60.0) -> None:
+    """Until another replica group's quorum request waits at the lighthouse.
+
+    A restart that only heartbeats is not enough: a fast quorum (every
+    previous member asked again) forms at once without it, and a restart
+    that is slow to reach its first sync (a fresh process on a loaded
+    machine) would miss every quorum of a survivor that goes on alone.
+    """
+    from ftdist.lighthouse.client import LighthouseClient
+
+    deadline = time.monotonic() + timeout
+    with LighthouseClient(lighthouse, 10.0) as client:
+        while time.monotonic() < deadline:
+            waiting = client.status().get("waiting", [])
+            if any(w["replica_id"] != replica_id for w in waiting):
+                return
+            time.sleep(0.02)
+    raise TimeoutError(f"no other replica group asked the lighthouse for a quorum in {timeout} s")
+
+
 def _tensors(t: Any) -> Any:
     """Nested state with tensors as lists (tensors do not cross the result pipe)."""
     if isinstance(t, torch.Tensor):
@@ -70,7 +90,8 @@ def train(
     ``actions_by_replica[str(replica)]``: ``die``: ``[when, step]`` with ``when`` one of ``before``
     (between syncs of that step), ``during`` (the sync's average started,
     not awaited) or ``after`` (the sync committed); ``hold``: ``{step:
-    count}`` waits at that step until ``count`` restarts are up;
+    count}`` waits at that step until ``count`` restarts are up and one of
+    them waits for a quorum;
     ``quantize``/``bucketize``: DiLoCo options.
     """
     from ftdist.local_sgd import DiLoCo, LocalSGD
@@ -129,9 +150,10 @@ def train(
     def receives() -> int:
         return sum(t.role == "receive" for t in manager.heal_timelines)
 
-    # Peers go on (start, or leave a hold) once the lighthouse counts this
-    # group as alive: their next quorum then waits for it instead of
-    # forming without it (a second history of the same steps).
+    # Peers start once the lighthouse counts every group as alive: a first
+    # quorum then waits for the others instead of forming without them (a
+    # second history of the same steps). A survivor leaves a hold only once
+    # the restart's quorum request waits (see _wait_peer_waiting).
     _wait_heartbeat(lighthouse, manager.replica_id())
     if attempt == 0:
         harness.add(UP, 1)
@@ -205,6 +227,7 @@ def train(
                 step = manager.current_step()
                 if index == 0 and step in holds:
                     _wait_for(harness, REJOINED, holds.pop(step))
+                    _wait_peer_waiting(lighthouse, manager.replica_id())
                 if index == 1:
                     kill_if("before", step)
                 x, y = batch(replica, step, index)
