@@ -162,6 +162,8 @@ def reconfigure_with_store(
             (before any connection).
         torch.distributed.DistStoreError: a member did not post its handle
             within ``timeout`` (``pg`` is left as it was).
+        torch.distributed.DistNetworkError: the store could not be reached
+            within ``timeout`` (``pg`` is left as it was).
         RuntimeError: the reconfiguration itself failed.
     """
     from ftdist.process_group import create_store_client
