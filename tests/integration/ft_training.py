@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ftdist.launch.ranks import RankContext
+from tests.integration.lighthouse_helpers import wait_for_quorum_request
 
 
 def model_and_optim(seed: int, batchnorm: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -94,7 +95,10 @@ def train(
     ``actions_by_rank[rank]``: ``{"die_at_step": n}`` SIGKILLs this process once the manager
     reaches step n or later (a rank that joined late may heal past n), mid-allreduce when
     ``"mid_allreduce"`` is set;
-    ``{"die_during_heal": True}`` SIGKILLs it while it receives a heal.
+    ``{"die_during_heal": True}`` SIGKILLs it while it receives a heal;
+    ``{"hold_until_rejoin_at": n}`` waits at step n until a replacement is up
+    (the ``rejoined`` counter) and another group's quorum request waits at the
+    lighthouse (unless ``"hold_for_request"`` is False: a pause, not a hold).
     """
     from ftdist.checkpointing import PGTransport
     from ftdist.ddp import DistributedDataParallel
@@ -187,6 +191,10 @@ def train(
                 deadline = time.monotonic() + 60
                 while int(ctx.store().add("rejoined", 0)) < 1 and time.monotonic() < deadline:
                     time.sleep(0.02)
+                if actions.get("hold_for_request", True) and not wait_for_quorum_request(
+                    lighthouse, f"replica{replica}:"
+                ):
+                    raise TimeoutError(f"held at step {step}: no other group asked for a quorum")
             die = actions.get("die_at_step")
             die_now = die is not None and step >= die
             if die_now and not actions.get("mid_allreduce"):

@@ -17,6 +17,28 @@ from ftdist.coordination import LighthouseClient, LighthouseServer, Quorum
 TIMEOUT = 20.0  # seconds; generous, only hit when something is broken
 
 
+def wait_for_quorum_request(lighthouse: str, other_than: str, timeout: float = 60.0) -> bool:
+    """Wait until a replica group whose id does not start with ``other_than``
+    has a quorum request waiting at ``lighthouse``.
+
+    A survivor that holds for a restart must go on only then: a restart that
+    only heartbeats is left out of a fast quorum (every previous member asked
+    again), and one that is slow to reach its first quorum (a fresh process
+    on a loaded machine) would miss every quorum of a survivor going on alone.
+
+    Returns:
+        Whether one was seen within ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    with LighthouseClient(lighthouse, 10.0) as client:
+        while time.monotonic() < deadline:
+            waiting = client.status().get("waiting", [])
+            if any(not w["replica_id"].startswith(other_than) for w in waiting):
+                return True
+            time.sleep(0.02)
+    return False
+
+
 class Lighthouses:
     """Starts lighthouses and clients for one test, and closes them all."""
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ftdist.launch.ranks import RankContext
+from tests.integration.lighthouse_helpers import wait_for_quorum_request
 from tests.local_sgd_reference import Blocks, Config, batch, loss_of, make_inner, make_outer
 
 UP, REJOINED, DONE = "up", "rejoined", "done"
@@ -43,26 +44,6 @@ def _wait_heartbeat(lighthouse: str, replica_id: str, timeout: float = 30.0) -> 
                 return
             time.sleep(0.02)
     raise TimeoutError(f"the lighthouse never saw a heartbeat of {replica_id}")
-
-
-def _wait_peer_waiting(lighthouse: str, replica_id: str, timeout: float = 60.0) -> None:
-    """Until another replica group's quorum request waits at the lighthouse.
-
-    A restart that only heartbeats is not enough: a fast quorum (every
-    previous member asked again) forms at once without it, and a restart
-    that is slow to reach its first sync (a fresh process on a loaded
-    machine) would miss every quorum of a survivor that goes on alone.
-    """
-    from ftdist.lighthouse.client import LighthouseClient
-
-    deadline = time.monotonic() + timeout
-    with LighthouseClient(lighthouse, 10.0) as client:
-        while time.monotonic() < deadline:
-            waiting = client.status().get("waiting", [])
-            if any(w["replica_id"] != replica_id for w in waiting):
-                return
-            time.sleep(0.02)
-    raise TimeoutError(f"no other replica group asked the lighthouse for a quorum in {timeout} s")
 
 
 def _tensors(t: Any) -> Any:
@@ -153,7 +134,7 @@ def train(
     # Peers start once the lighthouse counts every group as alive: a first
     # quorum then waits for the others instead of forming without them (a
     # second history of the same steps). A survivor leaves a hold only once
-    # the restart's quorum request waits (see _wait_peer_waiting).
+    # the restart's quorum request waits (see wait_for_quorum_request).
     _wait_heartbeat(lighthouse, manager.replica_id())
     if attempt == 0:
         harness.add(UP, 1)
@@ -227,7 +208,8 @@ def train(
                 step = manager.current_step()
                 if index == 0 and step in holds:
                     _wait_for(harness, REJOINED, holds.pop(step))
-                    _wait_peer_waiting(lighthouse, manager.replica_id())
+                    if not wait_for_quorum_request(lighthouse, manager.replica_id()):
+                        raise TimeoutError(f"held at step {step}: no restart asked for a quorum")
                 if index == 1:
                     kill_if("before", step)
                 x, y = batch(replica, step, index)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,16 @@ def _make(kind: str):
     return ProcessGroupGloo(timeout=8) if kind == "gloo" else ProcessGroupBabyGloo(timeout=8)
 
 
+def _store_barrier(ctx: RankContext, key: str, timeout: float = 60.0) -> None:
+    store = ctx.store()
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout
+    while int(store.add(key, 0)) < ctx.world_size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every rank reached {key!r} within {timeout} s")
+        time.sleep(0.005)
+
+
 def _run_checks(ctx: RankContext, kind: str) -> dict[str, str | None]:
     pg = _make(kind)
     results: dict[str, str | None] = {}
@@ -39,6 +50,10 @@ def _run_checks(ctx: RankContext, kind: str) -> dict[str, str | None]:
             # A fresh configure per check: a check that fails on one rank
             # cannot leave the next one out of step.
             pg.configure(ctx.addr(f"{kind}/{i}"), ctx.rank, ctx.world_size)
+            # Gloo's connect can return on one rank while a slower peer still
+            # finishes its side; a check that fails at once everywhere must not
+            # let the fast ranks tear this group down under that peer.
+            _store_barrier(ctx, f"{kind}/{i}/configured")
             if "functional" in name:
                 pg.register(f"check{i}")
             try:

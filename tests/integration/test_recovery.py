@@ -121,7 +121,7 @@ def test_live_group_left_out_of_quorums_heals_forward_and_ends_identical(
     # forming quorums) before replica 2 is back.
     actions: dict[int, dict[str, Any]] = {r: {**SLOW, "hold_until_rejoin_at": 10} for r in range(4)}
     for r in (4, 5):
-        actions[r] = {**SLOW, "hold_until_rejoin_at": 5}
+        actions[r] = {**SLOW, "hold_until_rejoin_at": 5, "hold_for_request": False}
     with (
         Ranks(train, 6, args=(server.address(), 2, steps, actions)) as ranks,
         LighthouseClient(server.address(), 10) as client,
