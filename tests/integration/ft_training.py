@@ -98,7 +98,9 @@ def train(
     ``{"die_during_heal": True}`` SIGKILLs it while it receives a heal;
     ``{"hold_until_rejoin_at": n}`` waits at step n until a replacement is up
     (the ``rejoined`` counter) and another group's quorum request waits at the
-    lighthouse (unless ``"hold_for_request"`` is False: a pause, not a hold).
+    lighthouse (unless ``"hold_for_request"`` is False: a pause, not a hold);
+    ``{"later_holds": {step: count}}`` holds again at each step until ``count``
+    replacements are up.
     """
     from ftdist.checkpointing import PGTransport
     from ftdist.ddp import DistributedDataParallel
@@ -177,24 +179,32 @@ def train(
     opt = OptimizerWrapper(manager, optim)
     loss_fn = nn.MSELoss()
     attempts = 0
+    later_holds = {int(k): v for k, v in actions.get("later_holds", {}).items()}
+
+    def hold(step: int, rejoined: int) -> None:
+        # Wait (not training) until a replacement started and asks for a
+        # quorum, so that a loaded machine cannot let this survivor finish
+        # alone first.
+        deadline = time.monotonic() + 60
+        while int(ctx.store().add("rejoined", 0)) < rejoined and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if actions.get("hold_for_request", True) and not wait_for_quorum_request(
+            lighthouse, f"replica{replica}:"
+        ):
+            raise TimeoutError(f"held at step {step}: no other group asked for a quorum")
+
     try:
         stop_at = actions.get("stop_at", steps)
         while manager.current_step() < stop_at:
             attempts += 1
             step = manager.current_step()
             if actions.get("hold_until_rejoin_at") == step and not held:
-                # Wait (not training) until a replacement started, so that a
-                # loaded machine cannot let this survivor finish alone first.
                 held.append(True)
                 served_before = len(manager.heal_timelines)
                 ctx.store().add("holding", 1)  # tests may wait for this before a restart
-                deadline = time.monotonic() + 60
-                while int(ctx.store().add("rejoined", 0)) < 1 and time.monotonic() < deadline:
-                    time.sleep(0.02)
-                if actions.get("hold_for_request", True) and not wait_for_quorum_request(
-                    lighthouse, f"replica{replica}:"
-                ):
-                    raise TimeoutError(f"held at step {step}: no other group asked for a quorum")
+                hold(step, 1)
+            if step in later_holds:
+                hold(step, later_holds.pop(step))
             die = actions.get("die_at_step")
             die_now = die is not None and step >= die
             if die_now and not actions.get("mid_allreduce"):
