@@ -8,6 +8,17 @@ and ``browser`` are marked by hand. One fixture family starts lighthouses:
 
 from __future__ import annotations
 
+import os
+
+# torch's TCPStore looks up the name of each connection's address, an
+# IPv4-mapped IPv6 one that /etc/hosts does not list, so every store connect
+# asks DNS for 1.0.0.127.in-addr.arpa. Where the resolver drops a query (this
+# CI's does, about 1 in 20), glibc waits 5 s and retries: a 5 s stall in a
+# connect that tests bound by far less. One short try keeps a lost answer
+# cheap; torch only logs that the name is unknown. Set before anything
+# resolves a name, so that every process the tests start inherits it.
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+
 import threading
 import time
 from collections.abc import Iterator

@@ -54,6 +54,9 @@ def _flap(ctx: RankContext, kind: str, rounds: int) -> dict[str, dict[str, int]]
                 # Both ranks: a group of two.
                 pg.configure(ctx.addr(f"pair/{i}"), ctx.rank, 2)
                 pg.allreduce([t]).wait()
+                # Rank 1 must not tear the pair down (next configure) while
+                # rank 0 still reads the allreduce's last bytes.
+                ctx.barrier(f"pair/{i}/done")
             elif ctx.rank == 0:
                 # Rank 0 alone: the other member left.
                 pg.configure(ctx.addr(f"solo/{i}"), 0, 1)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -32,16 +31,6 @@ def _make(kind: str):
     return ProcessGroupGloo(timeout=8) if kind == "gloo" else ProcessGroupBabyGloo(timeout=8)
 
 
-def _store_barrier(ctx: RankContext, key: str, timeout: float = 60.0) -> None:
-    store = ctx.store()
-    store.add(key, 1)
-    deadline = time.monotonic() + timeout
-    while int(store.add(key, 0)) < ctx.world_size:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not every rank reached {key!r} within {timeout} s")
-        time.sleep(0.005)
-
-
 def _run_checks(ctx: RankContext, kind: str) -> dict[str, str | None]:
     pg = _make(kind)
     results: dict[str, str | None] = {}
@@ -53,7 +42,7 @@ def _run_checks(ctx: RankContext, kind: str) -> dict[str, str | None]:
             # Gloo's connect can return on one rank while a slower peer still
             # finishes its side; a check that fails at once everywhere must not
             # let the fast ranks tear this group down under that peer.
-            _store_barrier(ctx, f"{kind}/{i}/configured")
+            ctx.barrier(f"{kind}/{i}/configured")
             if "functional" in name:
                 pg.register(f"check{i}")
             try:

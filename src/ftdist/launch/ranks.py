@@ -38,6 +38,8 @@ from typing import Any
 from ftdist._forkserver import exit_with_parent as _exit_with
 from ftdist._forkserver import forkserver_context as _context
 
+_BARRIER_STORES: dict[tuple[int, str], Any] = {}
+
 
 @dataclass(frozen=True)
 class RankContext:
@@ -79,6 +81,31 @@ class RankContext:
             wait_for_workers=False,
         )
         return dist.PrefixStore(self.prefix, tcp)
+
+    def barrier(self, name: str, timeout: timedelta = timedelta(seconds=60)) -> None:
+        """Wait until every rank has called ``barrier(name)``, through the run's store.
+
+        Useful between a group's collectives and its next reconfigure: Gloo can
+        finish an op on one rank while a slower peer still reads its last
+        bytes, and tearing the group down under that peer fails its op.
+
+        Args:
+            name: a key unique to this barrier within the run.
+            timeout: how long to wait for the other ranks.
+
+        Raises:
+            torch.distributed.DistStoreError: not every rank arrived within
+                ``timeout``.
+        """
+        # One client per process: a fresh TCPStore connection per barrier
+        # stalls for seconds every dozen or so calls.
+        key = (self.store_port, self.prefix)
+        store = _BARRIER_STORES.get(key)
+        if store is None:
+            store = _BARRIER_STORES[key] = self.store()
+        if int(store.add(f"barrier/{name}", 1)) == self.world_size:
+            store.set(f"barrier/{name}/go", "1")
+        store.wait([f"barrier/{name}/go"], timeout)
 
 
 @dataclass
