@@ -195,24 +195,23 @@ class Faults:
         assert sup.ranks is not None
         del self._stopped[(group, rank)]
         sup.ranks.signal(sup.global_rank(group, rank), signal.SIGCONT)
-        gs = sup.groups[group]
-        if gs.state == "stopped":
-            gs.state = "healing"
-        sup.disrupt(gs)
-        entry["end"] = time.time()
-        sup.say(f"SIGCONT group {group} rank {rank}")
+        self._ended(group, "stopped", entry, f"SIGCONT group {group} rank {rank}")
 
     def _lift(self, group: int, entry: dict[str, Any]) -> None:
-        sup = self._sup
         assert self.network is not None
         del self._cuts[group]
         self.network.heal(group)
+        self._ended(group, "cut", entry, f"partition of group {group} lifted")
+
+    def _ended(self, group: int, state: str, entry: dict[str, Any], message: str) -> None:
+        """A fault on ``group`` is over: a group still in ``state`` now heals."""
+        sup = self._sup
         gs = sup.groups[group]
-        if gs.state == "cut":
+        if gs.state == state:
             gs.state = "healing"
         sup.disrupt(gs)
         entry["end"] = time.time()
-        sup.say(f"partition of group {group} lifted")
+        sup.say(message)
 
     def _restart_lighthouse(self) -> None:
         sup = self._sup

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, TextIO
 
 from ftdist.chaos import schedule
-from ftdist.demo.run import clear_events, log_to
+from ftdist.demo.run import clear_events, log_to, machine_facts
 
 __all__ = ["ChaosConfig", "run_chaos"]
 
@@ -127,21 +127,6 @@ def find_leaks(processes: list[tuple[int, str]], network: Any) -> list[str]:
     leaks = [f"trainer pid {pid}" for pid in alive]
     leaks += [f"pids {p} in namespace {ns}" for ns, p in in_ns.items()]
     return leaks
-
-
-def _machine() -> dict[str, Any]:
-    import platform
-
-    import torch
-
-    import ftdist
-
-    return {
-        "ftdist": ftdist.__version__,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-    }
 
 
 def _network(opts: ChaosConfig, say: Any) -> tuple[Any, str | None]:
@@ -263,7 +248,7 @@ def run_chaos(opts: ChaosConfig, stream: TextIO | None = None) -> int:
             "seed": opts.seed,
             "clock_s": opts.duration_s,
             "options": asdict(opts),
-            "machine": _machine(),
+            "machine": machine_facts(),
             "partitions_skipped": skipped,
             "lighthouse_restarts": lighthouse.restarts,
             "plan": [asdict(i) for i in plan],

@@ -402,15 +402,7 @@ class ChaosSupervisor:
                     continue
                 if now - rs.last_event > HANG_S:
                     rs.hung = True
-                    self.record.hangs.append(
-                        {
-                            "group": gs.group,
-                            "rank": rs.rank,
-                            "attempt": gs.attempt,
-                            "t_s": round(self.now(), 3),
-                            "what": f"no event for {HANG_S:.0f} s while running",
-                        }
-                    )
+                    self._hang(gs, rs, f"no event for {HANG_S:.0f} s while running")
                     self.say(f"HANG: group {gs.group} rank {rs.rank} silent for {HANG_S:.0f} s")
 
     # -- the end ----------------------------------------------------------------------------
@@ -467,15 +459,20 @@ class ChaosSupervisor:
             running = self._running()
         for gs, rs in running:
             if rs.final is not None:
-                self.record.hangs.append(
-                    {
-                        "group": gs.group,
-                        "rank": rs.rank,
-                        "attempt": gs.attempt,
-                        "t_s": round(self.now(), 3),
-                        "what": f"still running {EXIT_AFTER_FINAL_S:.0f} s after its final report",
-                    }
+                self._hang(
+                    gs, rs, f"still running {EXIT_AFTER_FINAL_S:.0f} s after its final report"
                 )
+
+    def _hang(self, gs: GroupState, rs: RankState, what: str) -> None:
+        self.record.hangs.append(
+            {
+                "group": gs.group,
+                "rank": rs.rank,
+                "attempt": gs.attempt,
+                "t_s": round(self.now(), 3),
+                "what": what,
+            }
+        )
 
     def _running(self) -> list[tuple[GroupState, RankState]]:
         assert self.ranks is not None

@@ -534,15 +534,6 @@ def _namedtuple(module: str, qualname: str, fields: tuple[str, ...]) -> Any:
     return collections.namedtuple(name, fields)
 
 
-def as_ints(v: Any, what: str) -> tuple[int, ...]:
-    """A checked list of non-negative ints (for the DTensor spec checks).
-
-    Raises:
-        CheckpointError: ``v`` is not one.
-    """
-    return _ints(v, what)
-
-
 def as_int(v: Any, what: str, lo: int = 0, hi: int = _MAX_NBYTES) -> int:
     """A checked int in ``[lo, hi]``.
 

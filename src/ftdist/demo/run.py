@@ -133,7 +133,8 @@ class DemoConfig:
             )
 
 
-def _machine() -> dict[str, Any]:
+def machine_facts() -> dict[str, Any]:
+    """Versions and CPU count, for a run's report (demo and chaos)."""
     import torch
 
     import ftdist
@@ -306,7 +307,7 @@ def run_demo(opts: DemoConfig, stream: TextIO | None = None) -> int:
             "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "options": asdict(opts),
             "worker": asdict(cfg),
-            "machine": _machine(),
+            "machine": machine_facts(),
             "lighthouse": lighthouse,
             "dashboard": dashboard,
             "heartbeat_timeout_ms": heartbeat_ms,
