@@ -71,3 +71,18 @@ def test_gloo_configures_once_the_partition_is_lifted(network: netns.ChaosNetwor
     where = {"namespaces": network.namespaces, "control": network.control_host}
     results = run_ranks(_configure, 2, where, 10.0, timeout=80)
     assert [error for _, error in results] == ["", ""]
+
+
+@pytest.mark.timeout(120)
+def test_a_network_is_destroyed_whole_every_time() -> None:
+    # A chaos run once reported an outer veth as leaked: deleting the
+    # namespaces first let the kernel's asynchronous cleanup race our own
+    # `link del`. Build and destroy several times to give that race room.
+    owner = os.getpid()
+    for _ in range(5):
+        net = netns.ChaosNetwork(3, rate_mbit=100).create()
+        assert net.destroy() == []
+        links = netns._ip("-o", "link", "show", check=False).stdout
+        assert f"{netns.LINK_PREFIX}{owner}" not in links
+        spaces = netns._ip("netns", "list", check=False).stdout
+        assert f"{netns.NS_PREFIX}{owner}-" not in spaces

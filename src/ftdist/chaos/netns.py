@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass, field
 
 NS_PREFIX = "ftdist-chaos-"
@@ -39,6 +40,8 @@ INNER_IFNAME = "veth0"
 SINK_IFNAME = "sink0"
 SINK_MAC = "02:00:00:00:00:01"
 IP_TIMEOUT_S = 10.0
+# How long a deleted link may linger while the kernel tears down its pair.
+LINK_GONE_S = 5.0
 
 
 class NetworkError(RuntimeError):
@@ -255,15 +258,32 @@ class ChaosNetwork:
             What could not be removed, for the leak report.
         """
         left = []
+        # Links first: deleting an outer veth takes its peer in the namespace
+        # with it. The other order races: `ip netns del` returns before the
+        # kernel's cleanup of the namespace has removed the peer, and with it
+        # the outer end, so a `link del` issued meanwhile finds no device and
+        # an existing link can vanish between our `show` and our `del`.
+        for link in self._links:
+            if _ip("link", "show", link, check=False).returncode == 0:
+                _ip("link", "del", link, check=False)
+                if not _link_gone(link, LINK_GONE_S):
+                    left.append(link)
         for ns in self.namespaces:
             if _ip("netns", "del", ns, check=False).returncode != 0:
                 left.append(ns)
-        for link in self._links:
-            if _ip("link", "show", link, check=False).returncode == 0:
-                if _ip("link", "del", link, check=False).returncode != 0:
-                    left.append(link)
         self.namespaces, self._links = [], []
         return left
+
+
+def _link_gone(link: str, within_s: float) -> bool:
+    """Whether ``link`` is gone, waiting up to ``within_s`` for the kernel's
+    asynchronous namespace cleanup to finish removing it."""
+    deadline = time.monotonic() + within_s
+    while _ip("link", "show", link, check=False).returncode == 0:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def enter(namespace: str) -> None:
