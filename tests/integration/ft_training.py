@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ftdist.launch.ranks import RankContext
-from tests.integration.lighthouse_helpers import wait_for_quorum_request
+from tests.integration.lighthouse_helpers import wait_for_heartbeats, wait_for_quorum_request
 
 
 def model_and_optim(seed: int, batchnorm: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -168,6 +168,12 @@ def train(
     )
     if attempt > 0:
         ctx.store().add("rejoined", 1)  # a replacement is up: held survivors go on
+    elif not wait_for_heartbeats(lighthouse, ctx.world_size // group_size):
+        # Start together: a group that starts late on a loaded machine misses
+        # the first quorums (min_replica_size=1 lets the others go on), and a
+        # victim that dies before it joins leaves nobody to heal from, so its
+        # replacement starts a second run from step 0.
+        raise TimeoutError("not every replica group heartbeats the lighthouse")
     if actions.get("die_while_serving"):
         _die_while_serving(ctx, manager)
     if actions.get("pure_ddp"):

@@ -39,6 +39,26 @@ def wait_for_quorum_request(lighthouse: str, other_than: str, timeout: float = 6
     return False
 
 
+def wait_for_heartbeats(lighthouse: str, count: int, timeout: float = 60.0) -> bool:
+    """Wait until at least ``count`` replica groups heartbeat ``lighthouse``.
+
+    A job's first quorum waits (up to the join timeout) only for groups the
+    lighthouse already hears; a group whose process starts a second late on a
+    loaded machine is simply not in it. Harnesses that need every group in
+    the first quorum start training only after this returns True.
+
+    Returns:
+        Whether ``count`` healthy heartbeats were seen within ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    with LighthouseClient(lighthouse, 10.0) as client:
+        while time.monotonic() < deadline:
+            if int(client.status().get("num_heartbeating", 0)) >= count:
+                return True
+            time.sleep(0.02)
+    return False
+
+
 class Lighthouses:
     """Starts lighthouses and clients for one test, and closes them all."""
 
