@@ -151,7 +151,9 @@ def test_live_group_left_out_of_quorums_heals_forward_and_ends_identical(
     left_out = [r for r in results if r["replica"] == 2]
     # Both ranks of the group skipped the same steps.
     assert left_out[0]["committed"] == left_out[1]["committed"]
-    committed = left_out[0]["committed"]
+    # Steps skipped at the start count too: a group late to its first quorum
+    # on a loaded machine heals forward from step 0 and never reaches step 5.
+    committed = [-1, *left_out[0]["committed"]]
     assert any(b > a + 1 for a, b in itertools.pairwise(committed)), committed
 
 
