@@ -191,8 +191,8 @@ def train(
         # Wait (not training) until a replacement started and asks for a
         # quorum, so that a loaded machine cannot let this survivor finish
         # alone first.
-        deadline = time.monotonic() + 60
-        while int(ctx.store().add("rejoined", 0)) < rejoined and time.monotonic() < deadline:
+        harness, deadline = ctx.store(), time.monotonic() + 60
+        while int(harness.add("rejoined", 0)) < rejoined and time.monotonic() < deadline:
             time.sleep(0.02)
         if actions.get("hold_for_request", True) and not wait_for_quorum_request(
             lighthouse, f"replica{replica}:"

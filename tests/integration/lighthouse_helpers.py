@@ -17,6 +17,23 @@ from ftdist.coordination import LighthouseClient, LighthouseServer, Quorum
 TIMEOUT = 20.0  # seconds; generous, only hit when something is broken
 
 
+def wait_for_status(
+    lighthouse: str, predicate: Callable[[dict[str, Any]], bool], timeout: float = 60.0
+) -> bool:
+    """Poll ``lighthouse``'s status until ``predicate`` holds for it.
+
+    Returns:
+        Whether it held within ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    with LighthouseClient(lighthouse, 10.0) as client:
+        while time.monotonic() < deadline:
+            if predicate(client.status()):
+                return True
+            time.sleep(0.02)
+    return False
+
+
 def wait_for_quorum_request(lighthouse: str, other_than: str, timeout: float = 60.0) -> bool:
     """Wait until a replica group whose id does not start with ``other_than``
     has a quorum request waiting at ``lighthouse``.
@@ -29,14 +46,11 @@ def wait_for_quorum_request(lighthouse: str, other_than: str, timeout: float = 6
     Returns:
         Whether one was seen within ``timeout`` seconds.
     """
-    deadline = time.monotonic() + timeout
-    with LighthouseClient(lighthouse, 10.0) as client:
-        while time.monotonic() < deadline:
-            waiting = client.status().get("waiting", [])
-            if any(not w["replica_id"].startswith(other_than) for w in waiting):
-                return True
-            time.sleep(0.02)
-    return False
+    return wait_for_status(
+        lighthouse,
+        lambda s: any(not w["replica_id"].startswith(other_than) for w in s.get("waiting", [])),
+        timeout,
+    )
 
 
 def wait_for_heartbeats(lighthouse: str, count: int, timeout: float = 60.0) -> bool:
@@ -50,13 +64,9 @@ def wait_for_heartbeats(lighthouse: str, count: int, timeout: float = 60.0) -> b
     Returns:
         Whether ``count`` healthy heartbeats were seen within ``timeout`` seconds.
     """
-    deadline = time.monotonic() + timeout
-    with LighthouseClient(lighthouse, 10.0) as client:
-        while time.monotonic() < deadline:
-            if int(client.status().get("num_heartbeating", 0)) >= count:
-                return True
-            time.sleep(0.02)
-    return False
+    return wait_for_status(
+        lighthouse, lambda s: int(s.get("num_heartbeating", 0)) >= count, timeout
+    )
 
 
 class Lighthouses:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ftdist.launch.ranks import RankContext
-from tests.integration.lighthouse_helpers import wait_for_quorum_request
+from tests.integration.lighthouse_helpers import wait_for_quorum_request, wait_for_status
 from tests.local_sgd_reference import Blocks, Config, batch, loss_of, make_inner, make_outer
 
 UP, REJOINED, DONE = "up", "rejoined", "done"
@@ -34,16 +34,12 @@ def _wait_for(store: Any, key: str, count: int, timeout: float = 60.0) -> None:
 
 
 def _wait_heartbeat(lighthouse: str, replica_id: str, timeout: float = 30.0) -> None:
-    from ftdist.lighthouse.client import LighthouseClient
+    def heard(status: dict[str, Any]) -> bool:
+        beats = status.get("heartbeats", [])
+        return any(b["replica_id"] == replica_id and b["healthy"] for b in beats)
 
-    deadline = time.monotonic() + timeout
-    with LighthouseClient(lighthouse, 10.0) as client:
-        while time.monotonic() < deadline:
-            beats = client.status().get("heartbeats", [])
-            if any(b["replica_id"] == replica_id and b["healthy"] for b in beats):
-                return
-            time.sleep(0.02)
-    raise TimeoutError(f"the lighthouse never saw a heartbeat of {replica_id}")
+    if not wait_for_status(lighthouse, heard, timeout):
+        raise TimeoutError(f"the lighthouse never saw a heartbeat of {replica_id}")
 
 
 def _tensors(t: Any) -> Any:
