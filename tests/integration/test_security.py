@@ -472,3 +472,21 @@ def test_a_replica_groups_own_store_listens_only_where_peers_reach_it(
     everywhere = host_store("127.0.0.1", T)
     assert _listening_hosts(everywhere.port) & {"0.0.0.0", "::"}
     del local, everywhere
+
+
+def test_a_groups_reconfigure_handle_store_follows_the_same_bind_policy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # get_reconfigure_handle() starts a store of its own: it must listen where
+    # FTDIST_STORE_BIND says, as a replica group's store does (one policy).
+    import json
+
+    from ftdist.process_group import ProcessGroupGloo
+
+    monkeypatch.setenv("FTDIST_STORE_BIND", "127.0.0.1")
+    pg = ProcessGroupGloo(timeout=T)
+    try:
+        port = int(json.loads(pg.get_reconfigure_handle())["store"].rsplit(":", 1)[1])
+        assert _listening_hosts(port) == {"127.0.0.1"}
+    finally:
+        pg.shutdown()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -328,3 +331,41 @@ def test_wrapper_of_plain_group_cannot_reconfigure(store: dist.TCPStore) -> None
     assert (wrapper.rank(), wrapper.size()) == (0, 1)
     with pytest.raises(TypeError, match=r"torch\.distributed\.ProcessGroup"):
         ProcessGroupWrapper(pg="nope")  # type: ignore[arg-type]
+
+
+class _Backend:
+    """A stand-in backend that records which thread destroyed it."""
+
+    def __init__(self, destroyed_on: list[str]) -> None:
+        self._destroyed_on = destroyed_on
+
+    def __del__(self) -> None:
+        self._destroyed_on.append(threading.current_thread().name)
+
+
+class _RecordingGroup(ProcessGroupWrapper):
+    def __init__(self, destroyed_on: list[str]) -> None:
+        super().__init__(timeout=timedelta(seconds=5))
+        self._destroyed_on = destroyed_on
+
+    def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> Any:
+        return _Backend(self._destroyed_on)
+
+
+@pytest.mark.timeout(60)
+def test_an_idle_old_backend_is_destroyed_off_the_configure_thread(
+    store: dist.TCPStore,
+) -> None:
+    # Destroying an idle Gloo backend joins its threads (~10 ms). Done on the
+    # thread that calls configure(), it made every reconfigure ~20x slower;
+    # whichever thread drops the last reference runs the destructor.
+    destroyed_on: list[str] = []
+    pg = _RecordingGroup(destroyed_on)
+    for _ in range(20):
+        pg.configure(_addr(store), 0, 1)
+    pg.shutdown()
+    deadline = time.monotonic() + 10
+    while len(destroyed_on) < 20 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(destroyed_on) == 20, destroyed_on
+    assert set(destroyed_on) == {"ftdist-pg-sweep"}, destroyed_on

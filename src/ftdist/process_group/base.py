@@ -26,6 +26,7 @@ Use ``pg.rank()`` rather than ``dist.get_rank(pg)``, which needs a default group
 
 from __future__ import annotations
 
+import socket
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -38,8 +39,12 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup as BaseProcessGroup
 
 from ftdist.process_group import registry
-from ftdist.process_group._store import parse_store_addr
-from ftdist.process_group.reconfigure import host_store, make_handle, rendezvous
+from ftdist.process_group._store import host_store, parse_store_addr
+from ftdist.process_group.reconfigure import (
+    DEFAULT_RECONFIGURE_TIMEOUT,
+    make_handle,
+    rendezvous,
+)
 from ftdist.process_group.registry import _OwnRanks
 from ftdist.process_group.work import CompletedWork
 
@@ -238,7 +243,11 @@ class ProcessGroup(BaseProcessGroup):
         """
         with self._config_lock:
             if self._rendezvous_store is None:
-                self._rendezvous_store = host_store()
+                # The handle advertises this host's name; the store listens
+                # where that name's peers reach it (FTDIST_STORE_BIND first).
+                self._rendezvous_store = host_store(
+                    socket.gethostname(), DEFAULT_RECONFIGURE_TIMEOUT
+                )
             port = self._rendezvous_store.port
         return make_handle(self._handle_id(), port, self._global_rank)
 

@@ -27,7 +27,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch._C._distributed_c10d as c10d
-import torch.distributed as dist
 
 from ftdist._durations import as_timedelta
 
@@ -82,13 +81,6 @@ def make_handle(handle_id: str, store_port: int, global_rank: int | None) -> str
             "store": f"{socket.gethostname()}:{store_port}",
             "global_rank": global_rank,
         }
-    )
-
-
-def host_store() -> dist.TCPStore:
-    """A TCPStore server on a free port, for peers that rendezvous on this group's handle."""
-    return dist.TCPStore(
-        host_name=socket.gethostname(), port=0, is_master=True, wait_for_workers=False
     )
 
 

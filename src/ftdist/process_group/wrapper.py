@@ -38,6 +38,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = timedelta(seconds=60)
 
 
+# (deadline, backend, busy)
+_Grave = tuple[float, Any, Callable[[], bool]]
+
+
 class _Graveyard:
     """Torn-down backends, kept alive until no op of theirs is running.
 
@@ -54,7 +58,7 @@ class _Graveyard:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._graves: list[tuple[float, Any, Callable[[], bool]]] = []
+        self._graves: list[_Grave] = []
 
     def bury(self, backend: Any, timeout: timedelta, busy: Callable[[], bool]) -> None:
         if backend is None:
@@ -64,26 +68,26 @@ class _Graveyard:
             self._graves.append((deadline, backend, busy))
 
     def sweep(self) -> None:
-        now = time.monotonic()
+        # No local of this frame may name an expired backend: whichever thread
+        # drops the last reference runs its destructor (~10 ms: Gloo joins its
+        # threads), and that must be the reaper thread, never a configure.
         with self._lock:
-            graves, self._graves = self._graves, []
-        expired: list[Any] = []
-        kept = []
-        for grave in graves:
-            deadline, backend, busy = grave
-            if deadline <= now or not busy():
-                expired.append(backend)
-            else:
-                kept.append(grave)
-        with self._lock:
-            self._graves = kept + self._graves
+            expired, kept = _split_expired(self._graves, time.monotonic())
+            self._graves = kept
         if expired:
-            # Destroying an idle Gloo backend takes ~20 ms (it joins its
-            # threads, without the GIL): keep it off the configure path.
             threading.Thread(target=expired.clear, name="ftdist-pg-sweep", daemon=True).start()
 
     def __len__(self) -> int:
         return len(self._graves)
+
+
+def _split_expired(graves: list[_Grave], now: float) -> tuple[list[_Grave], list[_Grave]]:
+    """(expired, kept): a grave expires at its deadline or once its backend is idle."""
+    expired: list[_Grave] = []
+    kept: list[_Grave] = []
+    for grave in graves:
+        (expired if grave[0] <= now or not grave[2]() else kept).append(grave)
+    return expired, kept
 
 
 GRAVEYARD = _Graveyard()
@@ -288,8 +292,11 @@ class ProcessGroupWrapper(ProcessGroup):
         gen, self._gen = self._gen, None
         if gen is not None:
             gen.abort(reason)
-        backend, self._pg = self._pg, None
-        self._bury(backend, gen.busy if gen is not None else lambda: True)
+        # Buried straight from the attribute: a local naming the backend
+        # would make this thread the last owner, and its destructor would run
+        # here, on the configure path, instead of on the reaper thread.
+        self._bury(self._pg, gen.busy if gen is not None else lambda: True)
+        self._pg = None
         GRAVEYARD.sweep()
 
     def _bury(self, backend: Any, busy: Callable[[], bool]) -> None:
