@@ -86,3 +86,56 @@ def test_a_network_is_destroyed_whole_every_time() -> None:
         assert f"{netns.LINK_PREFIX}{owner}" not in links
         spaces = netns._ip("netns", "list", check=False).stdout
         assert f"{netns.NS_PREFIX}{owner}-" not in spaces
+
+
+def _heartbeat_across_a_cut(
+    ctx: RankContext, network: netns.ChaosNetwork, address: str, cut_s: float
+) -> dict[str, Any]:
+    netns.enter(network.namespaces[0])
+    from ftdist.errors import CoordinationError, CoordinationTimeoutError
+    from ftdist.lighthouse.client import LighthouseClient
+
+    failed_during_cut = 0
+    with LighthouseClient(address, 5) as client:
+        client.heartbeat("cut", timeout=2)
+        network.cut(0, [network.lighthouse_host])
+        try:
+            until = time.monotonic() + cut_s
+            while time.monotonic() < until:
+                try:
+                    client.heartbeat("cut", timeout=1)
+                except (CoordinationError, CoordinationTimeoutError):
+                    failed_during_cut += 1
+                time.sleep(0.2)
+        finally:
+            network.heal(0)
+        try:
+            client.heartbeat("cut", timeout=3)
+            after = ""
+        except (CoordinationError, CoordinationTimeoutError) as exc:
+            after = str(exc)
+    return {"failed_during_cut": failed_during_cut, "after": after}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("cut_s", [3.0, 9.0])
+def test_a_lighthouse_client_reaches_the_lighthouse_again_as_soon_as_a_cut_ends(
+    network: netns.ChaosNetwork, cut_s: float
+) -> None:
+    # A connection whose packets vanished resends them with exponential
+    # backoff: reused after a cut of 9 s, it stays silent ~6 s more, and a
+    # connect begun during the cut waits for gRPC's reconnect backoff. The
+    # client renews its connection when a heartbeat times out, and its
+    # connects retry at least once a second, so the first heartbeat after the
+    # cut gets through within its own (3 s) timeout.
+    from ftdist.lighthouse.server import LighthouseServer
+
+    server = LighthouseServer(bind=f"{network.lighthouse_host}:0", min_replicas=1, http_port=-1)
+    try:
+        (result,) = run_ranks(
+            _heartbeat_across_a_cut, 1, network, server.address(), cut_s, timeout=60
+        )
+    finally:
+        server.shutdown()
+    assert result["failed_during_cut"] > 0, "the cut did not cut"
+    assert result["after"] == "", result["after"]

@@ -77,9 +77,15 @@ def grpc_target(address: str) -> str:
 def client_channel_options() -> list[tuple[str, int]]:
     """Options every client channel uses.
 
-    Reconnects back off from 100 ms to 10 s (torchft's client uses the same
-    bounds); keepalive pings every 60 s with a 20 s timeout notice a server
-    that vanished without closing the connection.
+    Reconnects back off from 100 ms to 1 s, and each connect attempt gives
+    up after that backoff (gRPC's ``min_reconnect_backoff_ms`` is also its
+    shortest connect timeout), so a fresh SYN leaves at least once a second:
+    a lighthouse behind a partition is reached again within about a second
+    of the partition's end. torchft's client backs off to 10 s, and a
+    connect begun during a cut then retried only seconds after the network
+    was back (TCP resends a lost SYN after 1, 3, 7 s). Keepalive pings every
+    60 s with a 20 s timeout notice a server that vanished without closing
+    the connection.
 
     Returns:
         gRPC channel options.
@@ -87,7 +93,7 @@ def client_channel_options() -> list[tuple[str, int]]:
     return [
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.min_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 10_000),
+        ("grpc.max_reconnect_backoff_ms", 1_000),
         ("grpc.keepalive_time_ms", 60_000),
         ("grpc.keepalive_timeout_ms", 20_000),
         ("grpc.keepalive_permit_without_calls", 1),

@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
@@ -57,6 +57,8 @@ __all__ = ["LighthouseClient", "LighthouseEventStream"]
 
 _DEFAULT_HEARTBEAT_TIMEOUT = timedelta(seconds=5)
 _DEFAULT_STATUS_TIMEOUT = timedelta(seconds=5)
+# How often a connect wait looks whether its connection was renewed.
+_RENEW_POLL_S = 0.25
 
 
 class LighthouseEventStream:
@@ -102,6 +104,43 @@ class LighthouseEventStream:
         self.close()
 
 
+class _Connection:
+    """One channel to the lighthouse and the calls made on it."""
+
+    def __init__(self, addr: str, tls: Any) -> None:
+        # A channel of its own (no subchannel shared with other channels to
+        # the same address), so that a renewed connection is really new.
+        options = [*_rpc.client_channel_options(), ("grpc.use_local_subchannel_pool", 1)]
+        self.channel = open_channel(addr, options, tls)
+        # When this connection last showed it works (connected, or answered).
+        self.alive_at = float("-inf")
+        self.quorum = self.channel.unary_unary(
+            _rpc.LIGHTHOUSE_QUORUM,
+            request_serializer=torchft_pb2.LighthouseQuorumRequest.SerializeToString,
+            response_deserializer=torchft_pb2.LighthouseQuorumResponse.FromString,
+        )
+        self.heartbeat = self.channel.unary_unary(
+            _rpc.LIGHTHOUSE_HEARTBEAT,
+            request_serializer=torchft_pb2.LighthouseHeartbeatRequest.SerializeToString,
+            response_deserializer=torchft_pb2.LighthouseHeartbeatResponse.FromString,
+        )
+        self.subscribe = self.channel.unary_stream(
+            _rpc.EVENTS_SUBSCRIBE,
+            request_serializer=ftdist_pb2.SubscribeRequest.SerializeToString,
+            response_deserializer=ftdist_pb2.LighthouseEvent.FromString,
+        )
+        self.status = self.channel.unary_unary(
+            _rpc.EVENTS_STATUS,
+            request_serializer=ftdist_pb2.StatusRequest.SerializeToString,
+            response_deserializer=ftdist_pb2.StatusResponse.FromString,
+        )
+        self.leave = self.channel.unary_unary(
+            _rpc.EVENTS_LEAVE,
+            request_serializer=ftdist_pb2.LeaveRequest.SerializeToString,
+            response_deserializer=ftdist_pb2.LeaveResponse.FromString,
+        )
+
+
 class LighthouseClient:
     """Client of a lighthouse.
 
@@ -138,38 +177,18 @@ class LighthouseClient:
         self._connect_s = to_seconds(connect_timeout, "connect_timeout")
         self._target = _rpc.grpc_target(addr)
         self._metadata = call_metadata(job_token(token))
-        self._channel = open_channel(addr, _rpc.client_channel_options(), tls_files(ca=tls_ca))
-        self._lock = threading.Lock()
+        self._tls = tls_files(ca=tls_ca)
+        self._conn = _Connection(addr, self._tls)
+        self._lock = threading.Lock()  # one connect waiter at a time
+        # Guards _conn and _closed; never held while waiting on the network,
+        # so a renewal is not stuck behind a connect that waits.
+        self._conn_lock = threading.Lock()
+        self._closed = False
         # False after a call found the lighthouse unreachable: the next call
         # first reconnects, with backoff, for up to connect_timeout (the
         # lighthouse may be restarting). grpc's connectivity watcher is not
         # used for this: it races with channel.close() in grpcio.
         self._connected = False
-        self._quorum_rpc = self._channel.unary_unary(
-            _rpc.LIGHTHOUSE_QUORUM,
-            request_serializer=torchft_pb2.LighthouseQuorumRequest.SerializeToString,
-            response_deserializer=torchft_pb2.LighthouseQuorumResponse.FromString,
-        )
-        self._heartbeat_rpc = self._channel.unary_unary(
-            _rpc.LIGHTHOUSE_HEARTBEAT,
-            request_serializer=torchft_pb2.LighthouseHeartbeatRequest.SerializeToString,
-            response_deserializer=torchft_pb2.LighthouseHeartbeatResponse.FromString,
-        )
-        self._subscribe_rpc = self._channel.unary_stream(
-            _rpc.EVENTS_SUBSCRIBE,
-            request_serializer=ftdist_pb2.SubscribeRequest.SerializeToString,
-            response_deserializer=ftdist_pb2.LighthouseEvent.FromString,
-        )
-        self._status_rpc = self._channel.unary_unary(
-            _rpc.EVENTS_STATUS,
-            request_serializer=ftdist_pb2.StatusRequest.SerializeToString,
-            response_deserializer=ftdist_pb2.StatusResponse.FromString,
-        )
-        self._leave_rpc = self._channel.unary_unary(
-            _rpc.EVENTS_LEAVE,
-            request_serializer=ftdist_pb2.LeaveRequest.SerializeToString,
-            response_deserializer=ftdist_pb2.LeaveResponse.FromString,
-        )
         try:
             self._ensure_connected(self._connect_s, "connect")
         except BaseException:
@@ -178,7 +197,40 @@ class LighthouseClient:
 
     def close(self) -> None:
         """Close the connection; later calls fail. Idempotent."""
-        self._channel.close()
+        with self._conn_lock:
+            self._closed = True
+            conn = self._conn
+        conn.channel.close()
+
+    def renew_connection(self, silent_since: float | None = None) -> None:
+        """Drop the current connection and open a new one for the next call.
+
+        Called when a short call timed out: the lighthouse may sit behind a
+        partition that has just been lifted. An established TCP connection
+        whose packets vanished retransmits with exponential backoff, so it
+        can stay silent for many seconds after the network is back; a new
+        connection sends its SYN now. Calls still waiting on the old
+        connection fail (``CoordinationError``) instead of waiting for it.
+
+        Args:
+            silent_since: renew only if the connection has shown no sign of
+                life (a connect, an answer) since this ``time.monotonic()``
+                instant; None renews in any case.
+        """
+        with self._conn_lock:
+            if self._closed:
+                return
+            if silent_since is not None and self._conn.alive_at >= silent_since:
+                # Another call got through meanwhile: the connection works
+                # (closing it would cancel that call, a quorum it waits for).
+                return
+            old, self._conn = self._conn, _Connection(self.addr, self._tls)
+            self._connected = False
+        # Closing a channel can block for a while (it cancels its calls):
+        # never on the caller's path, which is a heartbeat or a quorum round.
+        threading.Thread(
+            target=old.channel.close, name="ftdist-lighthouse-close", daemon=True
+        ).start()
 
     def __enter__(self) -> LighthouseClient:
         return self
@@ -253,7 +305,7 @@ class LighthouseClient:
                 reconfigure_handles=list(reconfigure_handles),
             )
         )
-        response = self._call(self._quorum_rpc, request, timeout_s, "Quorum")
+        response = self._call("quorum", request, timeout_s, "Quorum")
         return Quorum.from_proto(response.quorum)
 
     def heartbeat(
@@ -274,7 +326,14 @@ class LighthouseClient:
             raise ValueError("replica_id must not be empty.")
         timeout_s = to_seconds(timeout, "timeout")
         request = torchft_pb2.LighthouseHeartbeatRequest(replica_id=replica_id)
-        self._call(self._heartbeat_rpc, request, timeout_s, "Heartbeat")
+        began = time.monotonic()
+        try:
+            self._call("heartbeat", request, timeout_s, "Heartbeat")
+        except CoordinationTimeoutError:
+            # A heartbeat is answered at once by a live lighthouse: one that
+            # timed out points at a dead connection (see renew_connection).
+            self.renew_connection(silent_since=began)
+            raise
 
     def subscribe(self, replica_id: str = "") -> LighthouseEventStream:
         """Open the failure-news stream (ftdist lighthouses only).
@@ -289,7 +348,7 @@ class LighthouseClient:
             CoordinationError: if the lighthouse cannot be reached.
         """
         self._ensure_connected(self._connect_s, "Subscribe")
-        call = self._subscribe_rpc(
+        call = self._conn.subscribe(
             ftdist_pb2.SubscribeRequest(replica_id=replica_id), metadata=self._metadata
         )
         return LighthouseEventStream(call, f"event stream from lighthouse at {self.addr}")
@@ -318,9 +377,7 @@ class LighthouseClient:
             raise ValueError("replica_id must not be empty.")
         timeout_s = to_seconds(timeout, "timeout")
         try:
-            self._call(
-                self._leave_rpc, ftdist_pb2.LeaveRequest(replica_id=replica_id), timeout_s, "Leave"
-            )
+            self._call("leave", ftdist_pb2.LeaveRequest(replica_id=replica_id), timeout_s, "Leave")
         except CoordinationError as exc:
             cause = exc.__cause__
             if isinstance(cause, grpc.Call) and cause.code() is grpc.StatusCode.UNIMPLEMENTED:
@@ -352,7 +409,7 @@ class LighthouseClient:
         """
         timeout_s = to_seconds(timeout, "timeout")
         try:
-            response = self._call(self._status_rpc, ftdist_pb2.StatusRequest(), timeout_s, "Status")
+            response = self._call("status", ftdist_pb2.StatusRequest(), timeout_s, "Status")
         except CoordinationError as exc:
             cause = exc.__cause__
             if isinstance(cause, grpc.Call) and cause.code() is grpc.StatusCode.UNIMPLEMENTED:
@@ -379,42 +436,68 @@ class LighthouseClient:
     def _ensure_connected(self, wait_s: float, what: str) -> None:
         if self._connected:
             return
-        # One waiter at a time; the others find the channel connected after it.
-        with self._lock:
-            if self._connected:
-                return
-            ready = grpc.channel_ready_future(self._channel)
-            try:
-                ready.result(timeout=wait_s)
-            except grpc.FutureTimeoutError as exc:
-                ready.cancel()  # stops grpc's connectivity polling for it
-                if wait_s < self._connect_s:
-                    raise CoordinationTimeoutError(
-                        f"{what} timed out after {wait_s:g} s while reconnecting to "
-                        f"lighthouse at {self.addr}"
-                    ) from exc
-                raise CoordinationError(
-                    f"failed to connect to lighthouse at {self.addr} within "
-                    f"{self._connect_s:g} s; check the address and that the lighthouse "
-                    "is running, or raise connect_timeout"
-                ) from exc
-            except ValueError as exc:  # the channel was closed
-                raise CoordinationError(f"client of {self.addr} is closed") from exc
-            self._connected = True
+        deadline = time.monotonic() + wait_s
+        # One waiter at a time; the others find the channel connected after
+        # it. Waiting for the lock counts against the caller's own timeout:
+        # a heartbeat must not sit behind a quorum call's longer connect.
+        if not self._lock.acquire(timeout=max(0.0, wait_s)):
+            self._connect_failed(wait_s, what, None)
+        try:
+            while not self._connected:
+                conn = self._conn
+                ready = grpc.channel_ready_future(conn.channel)
+                # Waited in slices: a renewed connection (renew_connection)
+                # replaces the one waited on, and the wait moves to it.
+                while True:
+                    left = deadline - time.monotonic()
+                    try:
+                        ready.result(timeout=max(0.0, min(left, _RENEW_POLL_S)))
+                        break
+                    except grpc.FutureTimeoutError as exc:
+                        if self._conn is not conn:
+                            ready.cancel()
+                            break
+                        if left <= _RENEW_POLL_S:
+                            ready.cancel()  # stops grpc's connectivity polling for it
+                            self._connect_failed(wait_s, what, exc)
+                    except ValueError as exc:  # the channel was closed
+                        if self._conn is not conn:
+                            break  # renewed meanwhile: wait for the new one
+                        raise CoordinationError(f"client of {self.addr} is closed") from exc
+                if self._conn is conn:
+                    conn.alive_at = time.monotonic()
+                    self._connected = True
+        finally:
+            self._lock.release()
 
-    def _call(self, rpc: Any, request: Any, timeout_s: float, method: str) -> Any:
+    def _connect_failed(self, wait_s: float, what: str, cause: Exception | None) -> NoReturn:
+        if wait_s < self._connect_s:
+            raise CoordinationTimeoutError(
+                f"{what} timed out after {wait_s:g} s while reconnecting to "
+                f"lighthouse at {self.addr}"
+            ) from cause
+        raise CoordinationError(
+            f"failed to connect to lighthouse at {self.addr} within "
+            f"{self._connect_s:g} s; check the address and that the lighthouse "
+            "is running, or raise connect_timeout"
+        ) from cause
+
+    def _call(self, name: str, request: Any, timeout_s: float, method: str) -> Any:
         what = f"{method} call to lighthouse at {self.addr}"
         deadline = time.monotonic() + timeout_s
         resent = False
         while True:
             remaining = max(0.001, deadline - time.monotonic())
             self._ensure_connected(min(self._connect_s, remaining), what)
+            conn = self._conn
             try:
-                return rpc(
+                response = getattr(conn, name)(
                     request,
                     timeout=max(0.001, deadline - time.monotonic()),
                     metadata=self._metadata,
                 )
+                conn.alive_at = time.monotonic()
+                return response
             except grpc.RpcError as exc:
                 code = exc.code() if isinstance(exc, grpc.Call) else None
                 if code is grpc.StatusCode.UNAVAILABLE:
