@@ -130,7 +130,7 @@ class Faults:
                 hosts = [
                     self.network.group_host(g) for g in range(len(sup.groups)) if g != gs.group
                 ]
-                what = "its peers"
+                what = "its peers (not the lighthouse)"
             self.network.cut(gs.group, hosts)
             self._cuts[gs.group] = (time.time() + inj.hold_s, entry)
             gs.state = "cut"

@@ -57,6 +57,26 @@ def _mid_heal(entry: dict[str, Any], heals: list[dict[str, Any]]) -> dict[str, A
     return {"into_heal_s": round(struck - started, 3), "transfer_cut": not done}
 
 
+def _peer_cut(
+    entry: dict[str, Any], commits: list[float], failed: list[tuple[float, int]], groups: int
+) -> dict[str, Any]:
+    """While a group was cut from its peers: did the others train on?
+
+    ``committed_during``: steps the job committed while the cut lasted;
+    ``others_failed_steps``: the most failed steps of any group that was
+    not cut, in that time (the goal: at most one, the step the cut broke).
+    """
+    start, end = entry["t"], entry["end"]
+    per_group = dict.fromkeys(range(groups), 0)
+    for t, group in failed:
+        if start <= t <= end and group != entry["group"]:
+            per_group[group] += 1
+    return {
+        "committed_during": sum(start < t <= end for t in commits),
+        "others_failed_steps": max(per_group.values(), default=0),
+    }
+
+
 def injection_rows(record: ChaosRecord) -> list[dict[str, Any]]:
     """One row per injection: what, when, and its recovery figures."""
     commits = sorted(record.commits.values())
@@ -76,6 +96,8 @@ def injection_rows(record: ChaosRecord) -> list[dict[str, Any]]:
         )
         if e["kind"] in schedule.MID_HEAL:
             row.update(_mid_heal(e, record.heals))
+        if e["kind"] in schedule.PEER_CUTS and e["outcome"] == "done" and e["end"] is not None:
+            row.update(_peer_cut(e, commits, record.failed_steps, len(record.groups)))
         rows.append(row)
     return rows
 
@@ -259,6 +281,11 @@ def render_text(report: dict[str, Any]) -> str:
         if "into_heal_s" in r:
             detail += f" ({r['into_heal_s']:.2f} s into the heal, transfer " + (
                 "cut)" if r["transfer_cut"] else "already done)"
+            )
+        if "committed_during" in r:
+            detail += (
+                f"{'; ' if detail else ''}the others committed {r['committed_during']} steps "
+                f"during the cut, at most {r['others_failed_steps']} failed each"
             )
         out.append(
             f"  {r['index']:<3} {r['clock_s']:6.1f}  {r['kind']:<15} {victim:<8} "

@@ -28,6 +28,10 @@ The kinds:
     Cut one group off from the lighthouse for ``hold_s``.
 ``cut-peers``
     Cut one group off from the other groups (not the lighthouse) for ``hold_s``.
+``cut-peers-long``
+    The same for three to four times the trainers' collective timeout: the
+    others must leave the cut group out after one failed step and train on,
+    and it must rejoin and heal once the cut is lifted.
 
 An injection strikes only when every group is healthy (it committed a step
 with every group since its last disruption) and its gap since the previous
@@ -49,8 +53,23 @@ KILL_HEALING = "kill-healing"
 LIGHTHOUSE = "lighthouse"
 CUT_LIGHTHOUSE = "cut-lighthouse"
 CUT_PEERS = "cut-peers"
-KINDS = (KILL, STOP, KILL_SOURCE, KILL_HEALING, LIGHTHOUSE, CUT_LIGHTHOUSE, CUT_PEERS)
-PARTITIONS = (CUT_LIGHTHOUSE, CUT_PEERS)
+CUT_PEERS_LONG = "cut-peers-long"
+KINDS = (
+    KILL,
+    STOP,
+    KILL_SOURCE,
+    KILL_HEALING,
+    LIGHTHOUSE,
+    CUT_LIGHTHOUSE,
+    CUT_PEERS,
+    CUT_PEERS_LONG,
+)
+PARTITIONS = (CUT_LIGHTHOUSE, CUT_PEERS, CUT_PEERS_LONG)
+# Cuts between replica groups (the victim keeps its lighthouse).
+PEER_CUTS = (CUT_PEERS, CUT_PEERS_LONG)
+# The chaos trainers' collective timeout (ChaosWorkerConfig.timeout_s): a long
+# cut outlasts it three to four times.
+COLLECTIVE_TIMEOUT_S = 5.0
 MID_HEAL = (KILL_SOURCE, KILL_HEALING)
 # After the first round of every kind, kinds are drawn with these weights:
 # trainer kills and stops are the everyday failures.
@@ -62,6 +81,7 @@ WEIGHTS = {
     LIGHTHOUSE: 1,
     CUT_LIGHTHOUSE: 1,
     CUT_PEERS: 1,
+    CUT_PEERS_LONG: 1,
 }
 # Seconds a kind holds its fault, drawn uniformly.
 HOLDS = {
@@ -69,6 +89,7 @@ HOLDS = {
     LIGHTHOUSE: (1.0, 4.0),
     CUT_LIGHTHOUSE: (3.0, 10.0),
     CUT_PEERS: (3.0, 10.0),
+    CUT_PEERS_LONG: (3.0 * COLLECTIVE_TIMEOUT_S, 4.0 * COLLECTIVE_TIMEOUT_S),
 }
 # A mid-heal injection whose heal is not seen within this long is abandoned.
 ARM_LIMIT_S = 45.0

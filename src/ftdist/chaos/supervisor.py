@@ -100,6 +100,8 @@ class ChaosRecord:
     interrupted: bool = False
     injections: list[dict[str, Any]] = field(default_factory=list)
     commits: dict[int, float] = field(default_factory=dict)
+    # (time, group) of every step a group attempted and did not commit.
+    failed_steps: list[tuple[float, int]] = field(default_factory=list)
     heals: list[dict[str, Any]] = field(default_factory=list)
     unexpected_exits: list[dict[str, Any]] = field(default_factory=list)
     hangs: list[dict[str, Any]] = field(default_factory=list)
@@ -511,6 +513,8 @@ class ChaosSupervisor:
         if rs.rank == 0:
             gs.steps_attempted += 1
         if not ev["ok"]:
+            if rs.rank == 0:
+                self.record.failed_steps.append((float(ev["t"]), gs.group))
             return
         if rs.rank == 0:
             gs.steps_committed += 1

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ftdist.chaos import schedule
 from ftdist.checkpointing import CheckpointTransport
 from ftdist.demo import task
 from ftdist.demo.worker import (
@@ -100,7 +101,7 @@ class ChaosWorkerConfig:
     namespaces: tuple[str, ...] = ()
     step_interval_s: float = 0.2
     ballast_mb: float = 32.0
-    timeout_s: float = 5.0
+    timeout_s: float = schedule.COLLECTIVE_TIMEOUT_S
     quorum_timeout_s: float = 15.0
     connect_timeout_s: float = 5.0
     batch_size: int = 32

@@ -23,6 +23,10 @@ The rule is torchft's, reason strings included (tools grep for them):
   that heartbeat but have not asked yet.
 * Members are sorted by ``replica_id``, and a quorum is never empty (torchft
   would form an empty one when ``shrink_only`` excludes every participant).
+* Members cut off from their peers, by their own reports, are left out
+  (:mod:`ftdist.lighthouse.partition`; a single member can only exclude
+  itself), on both paths; if that leaves fewer than ``min_replicas``, no
+  quorum forms.
 * The ``quorum_id`` grows by one when the membership (the ordered list of
   replica ids) changes or when a member reports ``commit_failures > 0``, and
   only then (:func:`next_quorum_id`).
@@ -37,6 +41,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
+
+from ftdist.lighthouse.partition import exclude_partitioned
 
 __all__ = [
     "LighthouseState",
@@ -214,7 +220,9 @@ def compute_quorum(
                 chosen = [p for rid, p in healthy_participants.items() if rid in keep]
             else:
                 chosen = list(healthy_participants.values())
-            return QuorumDecision(_sorted_members(chosen), f"Fast quorum found! {metadata}")
+            return _without_partitioned(
+                _sorted_members(chosen), f"Fast quorum found! {metadata}", settings
+            )
 
     if num_participants < settings.min_replicas:
         return QuorumDecision(
@@ -250,7 +258,23 @@ def compute_quorum(
                 f"New quorum not ready, shrink_only excludes all {num_participants} "
                 f"participants (none was in the previous quorum) {metadata}",
             )
-    return QuorumDecision(_sorted_members(chosen), f"Valid quorum found {metadata}")
+    return _without_partitioned(_sorted_members(chosen), f"Valid quorum found {metadata}", settings)
+
+
+def _without_partitioned(
+    members: list[M], reason: str, settings: QuorumConfig
+) -> QuorumDecision[M]:
+    """Leave out members cut off from their peers (:mod:`.partition`)."""
+    split = exclude_partitioned(members)
+    if split.reason is None:
+        return QuorumDecision(members, reason)
+    if len(split.kept) < settings.min_replicas:
+        return QuorumDecision(
+            None,
+            f"New quorum not ready: {split.reason}, which leaves {len(split.kept)} "
+            f"members, need min_replicas {settings.min_replicas}",
+        )
+    return QuorumDecision(split.kept, f"{reason} [{split.reason}]")
 
 
 def next_quorum_id(

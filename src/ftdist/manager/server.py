@@ -46,9 +46,12 @@ from ftdist._auth import job_token, tls_files, warn_if_open
 from ftdist._rpc import common as _rpc
 from ftdist._rpc._proto import torchft_pb2
 from ftdist._rpc.auth import TokenInterceptor, server_credentials
+from ftdist.errors import CoordinationTimeoutError
 from ftdist.lighthouse.client import LighthouseClient
+from ftdist.lighthouse.partition import REPORT_KEY
 from ftdist.lighthouse.types import Quorum
 from ftdist.manager.client import ManagerClient
+from ftdist.manager.reachability import unreachable_peers
 from ftdist.manager.rule import compute_quorum_results, find_divergence, heal_requests
 
 logger = logging.getLogger(__name__)
@@ -56,6 +59,9 @@ logger = logging.getLogger(__name__)
 # A quorum request's fingerprint travels to the lighthouse in the member's
 # data, which the lighthouse caps at 64 KiB.
 _MAX_FINGERPRINT_BYTES = 64 * 1024
+# While this group reports unreachable peers, it probes them again this
+# often as it waits to be let back into a quorum.
+REPROBE_S = 1.0
 # Leaving must not hold up a process that is exiting.
 _LEAVE_TIMEOUT_S = 2.0
 
@@ -126,6 +132,10 @@ class ManagerServer:
         self._commit_round = _Round()
         self._metadata: dict[int, str] = {}
         self._stopped = threading.Event()
+        # The other members of the last quorum (replica id to manager
+        # address), and those of them this group last found unreachable.
+        self._peers: dict[str, str] = {}
+        self._unreachable: dict[str, str] = {}
 
         self._pool = ThreadPoolExecutor(
             max_workers=2 * world_size + 8, thread_name_prefix="ftdist-mgr"
@@ -329,20 +339,20 @@ class ManagerServer:
                 # Ask to heal even from peers at the reported step: a rank
                 # ahead of it must come back to the group's state.
                 data["heal"] = True
+            commit_failures = max(q.commit_failures for q in requests.values())
+            if commit_failures > 0 or self._unreachable:
+                # A failed step may be a partition between replica groups:
+                # say which peers this group cannot reach (see reachability).
+                self._probe_peers()
             deadline = time.monotonic() + timeout
             for attempt in range(self._quorum_retries + 1):
                 try:
-                    self._last_contact = time.monotonic()
-                    current.quorum = self._lighthouse.quorum(
-                        self._replica_id,
-                        timeout=max(0.01, deadline - time.monotonic()),
-                        address=self.address(),
-                        store_address=self._store_addr,
-                        step=step,
-                        world_size=self._world_size,
+                    current.quorum = self._ask_lighthouse(
+                        step,
+                        data,
                         shrink_only=any(q.shrink_only for q in requests.values()),
-                        data=data or None,
-                        commit_failures=max(q.commit_failures for q in requests.values()),
+                        commit_failures=commit_failures,
+                        deadline=deadline,
                     )
                     break
                 except Exception as exc:
@@ -359,6 +369,11 @@ class ManagerServer:
                         return
                     time.sleep(min(0.1 * (attempt + 1), max(0.0, deadline - time.monotonic())))
             assert current.quorum is not None
+            self._peers = {
+                m.replica_id: m.address
+                for m in current.quorum.participants
+                if m.replica_id != self._replica_id
+            }
             divergence = find_divergence(current.quorum.participants)
             if divergence is not None:
                 current.divergence, current.diverged = divergence.report, divergence.minority
@@ -369,6 +384,61 @@ class ManagerServer:
             current.error = (grpc.StatusCode.INTERNAL, f"manager server error: {exc}")
         finally:
             current.done.set()
+
+    def _probe_peers(self) -> None:
+        before = self._unreachable
+        self._unreachable = unreachable_peers(self._peers)
+        if self._unreachable != before:
+            if self._unreachable:
+                logger.warning(
+                    "[%s] cannot reach replica group(s) %s: reporting them to the lighthouse",
+                    self._replica_id,
+                    ", ".join(sorted(self._unreachable)),
+                )
+            else:
+                logger.info("[%s] every peer is reachable again", self._replica_id)
+
+    def _ask_lighthouse(
+        self,
+        step: int,
+        data: dict[str, Any],
+        *,
+        shrink_only: bool,
+        commit_failures: int,
+        deadline: float,
+    ) -> Quorum:
+        """One quorum request; while it reports unreachable peers, probe again.
+
+        A group that reports peers it cannot reach is likely the one left out
+        (:mod:`ftdist.lighthouse.partition`), and its parked request keeps it
+        out for as long as that request stands. So it asks in slices of
+        :data:`REPROBE_S`, probing between them, and asks anew, without the
+        report, as soon as its peers answer again: it rejoins within a slice
+        of the partition's end.
+        """
+        while True:
+            request_data = dict(data)
+            if self._unreachable:
+                request_data[REPORT_KEY] = dict(self._unreachable)
+            remaining = deadline - time.monotonic()
+            slice_s = min(remaining, REPROBE_S) if self._unreachable else remaining
+            self._last_contact = time.monotonic()
+            try:
+                return self._lighthouse.quorum(
+                    self._replica_id,
+                    timeout=max(0.01, slice_s),
+                    address=self.address(),
+                    store_address=self._store_addr,
+                    step=step,
+                    world_size=self._world_size,
+                    shrink_only=shrink_only,
+                    data=request_data or None,
+                    commit_failures=commit_failures,
+                )
+            except CoordinationTimeoutError:
+                if slice_s >= remaining or self._stopped.is_set():
+                    raise
+            self._probe_peers()
 
     # -- the other RPCs ---------------------------------------------------------
     def _checkpoint_metadata(
