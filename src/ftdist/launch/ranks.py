@@ -20,16 +20,29 @@ Example::
         return value
 
     values = run_ranks(body, world_size=2, timeout=30)
+
+A hung rank explains itself: each rank writes every thread's Python stack
+to ``<folder>/<pid>`` on SIGUSR1 (faulthandler), and the harness takes them
+before it kills ranks that ran past :func:`run_ranks`'s timeout (they are in
+the :class:`RankFailure`), past :meth:`Ranks.join`'s where
+:attr:`Ranks.stacks_on_timeout` is set (the tests set it), or that are still
+running when an exception leaves a ``with Ranks(...)`` block (a note on the
+exception). The folder is ``$FTDIST_STACKS_DIR`` where set (the tests' one,
+shared with their other processes), else a temporary one per run.
 """
 
 from __future__ import annotations
 
 import multiprocessing.connection as mpc
 import os
+import shutil
 import signal
+import sys
+import tempfile
 import time
 import traceback
 import uuid
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -37,8 +50,11 @@ from typing import Any
 
 from ftdist._forkserver import exit_with_parent as _exit_with
 from ftdist._forkserver import forkserver_context as _context
+from ftdist.launch import stacks as _stacks
 
 _BARRIER_STORES: dict[tuple[int, str], Any] = {}
+# Exceptions that leave a ``with Ranks`` block without a failure to explain.
+_NOT_FAILURES = (KeyboardInterrupt, SystemExit, GeneratorExit)
 
 
 @dataclass(frozen=True)
@@ -118,38 +134,44 @@ class RankOutcome:
         error: the formatted traceback if the function raised, else None.
         exitcode: the process exit code; negative for a signal (``-9`` SIGKILL),
             None if it was still running when the harness gave up on it.
+        stack: every thread's Python stack of a rank that was still running
+            when the harness gave up on it (see :meth:`Ranks.stacks`), else None.
     """
 
     rank: int
     value: Any = None
     error: str | None = None
     exitcode: int | None = None
+    stack: str | None = None
 
     @property
     def ok(self) -> bool:
         """True when the rank returned normally."""
         return self.error is None and self.exitcode == 0
 
+    def describe(self) -> str:
+        """How the rank ended, for a failure message: its traceback, or its stack if it hung."""
+        if self.error is not None:
+            return f"--- rank {self.rank} raised:\n{self.error}"
+        if self.exitcode is None:
+            text = f"--- rank {self.rank} was still running and was killed"
+            return text + (f"; its stack:\n{self.stack}" if self.stack else "")
+        if self.exitcode == 0:
+            return f"--- rank {self.rank} returned {self.value!r}"
+        return f"--- rank {self.rank} exited with code {self.exitcode} without a result"
+
 
 class RankFailure(AssertionError):
     """One or more ranks raised, died or ran past the timeout.
 
-    The message carries every failing child's own traceback, so pytest shows
-    where the child failed rather than where the parent noticed.
+    The message carries every failing child's own traceback, and the Python
+    stack of each one that was still running, so pytest shows where the child
+    failed or hung rather than where the parent noticed.
     """
 
     def __init__(self, outcomes: Sequence[RankOutcome], reason: str) -> None:
         self.outcomes = list(outcomes)
-        parts = [reason]
-        for o in outcomes:
-            if o.ok:
-                continue
-            if o.error is not None:
-                parts.append(f"--- rank {o.rank} raised:\n{o.error}")
-            elif o.exitcode is None:
-                parts.append(f"--- rank {o.rank} was still running and was killed")
-            else:
-                parts.append(f"--- rank {o.rank} exited with code {o.exitcode} without a result")
+        parts = [reason, *(o.describe() for o in outcomes if not o.ok)]
         super().__init__("\n".join(parts))
 
 
@@ -161,8 +183,10 @@ def _child_main(
     env: Mapping[str, str],
     conn: mpc.Connection,
     parent_pid: int,
+    stacks_dir: str,
 ) -> None:
     _exit_with(parent_pid)
+    _stacks.dump_on_sigusr1(stacks_dir)
     os.environ.update(env)
     # A rank that the parent SIGSTOPs/SIGKILLs must not take the harness's
     # SIGINT handling with it; keep the default.
@@ -204,7 +228,8 @@ class Ranks:
     """N rank processes started together; a context manager.
 
     Leaving the ``with`` block kills every rank still running, so no child
-    outlives its test, whatever the test did.
+    outlives its test, whatever the test did; if an exception leaves it, the
+    Python stacks of the ranks still running are added to it as a note first.
 
     Raises:
         ValueError: ``world_size`` is not a positive int.
@@ -226,6 +251,12 @@ class Ranks:
     _conns: list[mpc.Connection] = field(default_factory=list, init=False)
     _store: Any = field(default=None, init=False)
     _prefix: str = field(default="", init=False)
+    _stacks_dir: str = field(default="", init=False)
+    # Whether join() takes the stacks of the awaited ranks that ran past its
+    # timeout (kept in their outcomes, printed to stderr). Off by default:
+    # the demo's and chaos suite's stop paths kill ranks past a short join
+    # on purpose. The tests switch it on (tests/conftest.py).
+    stacks_on_timeout = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -243,6 +274,10 @@ class Ranks:
             timeout=timedelta(seconds=60),
         )
         self._prefix = f"test/{uuid.uuid4().hex[:12]}"
+        self._stacks_dir = os.environ.get(_stacks.STACKS_ENV, "")
+        if not self._stacks_dir or not os.path.isdir(self._stacks_dir):
+            self._stacks_dir = tempfile.mkdtemp(prefix="ftdist-ranks-")
+            weakref.finalize(self, shutil.rmtree, self._stacks_dir, True)
         for rank in range(self.world_size):
             proc, conn = self._spawn(rank, self.args, self.kwargs)
             self._procs.append(proc)
@@ -257,7 +292,10 @@ class Ranks:
         rctx = RankContext(rank, self.world_size, "127.0.0.1", self._store.port, self._prefix)
         proc = ctx.Process(
             target=_child_main,
-            args=(self.fn, rctx, args, kwargs, dict(self.env), child_end, os.getpid()),
+            args=(
+                *(self.fn, rctx, args, kwargs, dict(self.env), child_end),
+                *(os.getpid(), self._stacks_dir),
+            ),
             name=f"ftdist-rank-{rank}",
             # Not daemonic: a rank may start children of its own (Baby
             # groups). The harness kills every rank itself.
@@ -341,6 +379,28 @@ class Ranks:
             except ProcessLookupError:
                 pass
 
+    def stacks(
+        self, ranks: Sequence[int] | None = None, wait: float = _stacks.WAIT_S
+    ) -> dict[int, str]:
+        """Every thread's Python stack of each running rank (of ``ranks``; default all).
+
+        Sends each SIGUSR1 and waits up to ``wait`` seconds for what it
+        writes (:func:`ftdist.launch.stacks.take`). A stopped rank (SIGSTOP)
+        cannot answer and one not yet ready to is not signalled (SIGUSR1
+        would kill it): each gets a line saying so. Ranks that have exited
+        are left out. Linux only (``/proc``).
+
+        Returns:
+            The text for each rank, by rank.
+        """
+        pids = {
+            r: self._procs[r].pid
+            for r in (range(self.world_size) if ranks is None else ranks)
+            if self._procs[r].exitcode is None and self._procs[r].pid is not None
+        }
+        # The fork server's frames under _child_main are the same in every rank.
+        return _stacks.take(pids, self._stacks_dir, wait, below="_child_main")
+
     def kill(self, rank: int) -> None:
         """SIGKILL a rank.
 
@@ -349,13 +409,23 @@ class Ranks:
         """
         self.signal(rank, signal.SIGKILL)
 
-    def join(self, timeout: float, only: Sequence[int] | None = None) -> list[RankOutcome]:
+    def join(
+        self, timeout: float, only: Sequence[int] | None = None, stacks: bool | None = None
+    ) -> list[RankOutcome]:
         """Wait up to ``timeout`` seconds for every rank (or those in ``only``).
 
-        Then every rank still running is killed. Returns one
-        :class:`RankOutcome` per rank, in rank order. Never raises for a
-        failing rank; see :meth:`results` for the strict form.
+        Then every rank still running is killed; with ``stacks`` (default:
+        :attr:`stacks_on_timeout`), the awaited ones that ran past the
+        timeout first give their Python stacks (in their outcomes, and on
+        stderr). Returns one :class:`RankOutcome` per rank, in rank order.
+        Never raises for a failing rank; see :meth:`results` for the strict
+        form.
         """
+        return self._join(timeout, only, self.stacks_on_timeout if stacks is None else stacks)
+
+    def _join(
+        self, timeout: float, only: Sequence[int] | None, stacks: bool, announce: bool = True
+    ) -> list[RankOutcome]:
         outcomes = [RankOutcome(rank=r) for r in range(self.world_size)]
         pending = set(range(self.world_size) if only is None else only)
         deadline = time.monotonic() + timeout
@@ -377,6 +447,18 @@ class Ranks:
                     _take_result(self._conns[r], outcomes[r])
                     outcomes[r].exitcode = proc.exitcode
                     pending.discard(r)
+        if pending and stacks:
+            for r, text in sorted(self.stacks(sorted(pending)).items()):
+                outcomes[r].stack = text
+                # A test may not print the outcome: stderr is in its report.
+                if not announce:
+                    continue
+                print(
+                    f"ftdist.launch.ranks: rank {r} (pid {self._procs[r].pid}) still running "
+                    f"after join's {timeout:g} s; killing it. Its stack:\n{text}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         self.terminate()
         return outcomes
 
@@ -386,7 +468,8 @@ class Ranks:
         Raises:
             RankFailure: a rank raised, died or was still running at ``timeout``.
         """
-        outcomes = self.join(timeout)
+        # The RankFailure carries the stacks: nothing on stderr.
+        outcomes = self._join(timeout, None, stacks=True, announce=False)
         if not all(o.ok for o in outcomes):
             raise RankFailure(
                 outcomes, f"{sum(not o.ok for o in outcomes)} of {self.world_size} ranks failed"
@@ -410,7 +493,15 @@ class Ranks:
     def __enter__(self) -> Ranks:
         return self.start()
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is not None and not isinstance(exc, _NOT_FAILURES) and self._procs:
+            # Killing them loses where they were: note it on the way out.
+            stacks = self.stacks()
+            if stacks and hasattr(exc, "add_note"):
+                exc.add_note(
+                    "Ranks still running when the exception left `with Ranks`:\n"
+                    + "\n".join(f"--- rank {r}:\n{t}" for r, t in sorted(stacks.items()))
+                )
         self.terminate()
         self._store = None
 
