@@ -4,6 +4,10 @@ Every test is checked for leaked threads and child processes, and marked
 with its tier from its folder (``unit``, ``integration``, ``gpu``); ``slow``
 and ``browser`` are marked by hand. One fixture family starts lighthouses:
 ``lh`` (any number, any settings) and ``lighthouse`` (the address of one).
+
+A test that fails or nears its timeout gets an "ftdist diagnostics" section
+in its report: the Python stack of every live process it started and the
+tail of each output it registered (``tests/_diagnostics.py``).
 """
 
 from __future__ import annotations
@@ -21,16 +25,33 @@ os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from typing import Any
 
 import pytest
 
-from tests._procs import children
-from tests.integration.lighthouse_helpers import Lighthouses
+from tests import _diagnostics
+
+# Before anything is started: every Python process the tests start from
+# here on dumps its stacks on SIGUSR1 for the failure reports.
+_diagnostics.install()
+
+from ftdist.launch.ranks import Ranks  # noqa: E402
+from tests._procs import children  # noqa: E402
+from tests.integration.lighthouse_helpers import Lighthouses  # noqa: E402
 
 # Threads that belong to the interpreter or to libraries for the whole
 # session, not to one test.
-_SESSION_THREADS = ("pytest_timeout", "QueueFeederThread", "resource_sharer")
+_SESSION_THREADS = (
+    "pytest_timeout",
+    "QueueFeederThread",
+    "resource_sharer",
+    _diagnostics.WATCHDOG_THREAD,
+)
+
+# A rank still running past a test's join() is (nearly always) the failure:
+# its stack goes in the outcome and on stderr before it is killed.
+Ranks.stacks_on_timeout = True
 
 
 def _children() -> set[int]:
@@ -106,3 +127,57 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         tier = next((_TIERS[p] for p in reversed(parts) if p in _TIERS), None)
         if tier is not None:
             item.add_marker(tier)
+
+
+# -- diagnostics of failing tests (tests/_diagnostics.py) ---------------------------------------
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(
+    item: pytest.Item, nextitem: pytest.Item | None
+) -> Generator[None, Any, Any]:
+    """Record diagnostics for this test alone."""
+    _diagnostics.begin(item.nodeid)
+    try:
+        return (yield)
+    finally:
+        _diagnostics.watchdog.disarm()
+        _diagnostics.end()
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> None:
+    """Snapshot every process of the test a few seconds before pytest-timeout fails it.
+
+    pytest-timeout's failure runs the test's ``finally`` blocks, which kill
+    the processes; their stacks must be taken before. Returns None, so that
+    pytest-timeout still sets its own timer.
+    """
+    timeout = float(settings.timeout)
+    margin = _diagnostics.watchdog_margin(timeout)
+    _diagnostics.watchdog.arm(
+        max(0.5, timeout - margin),
+        f"watchdog: {margin:.0f} s before the {timeout:.0f} s timeout",
+        item.nodeid,
+    )
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_timeout_cancel_timer(item: pytest.Item) -> None:
+    """The test ended in time: no snapshot. Returns None: pytest-timeout cancels its timer."""
+    _diagnostics.watchdog.disarm()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Put the diagnostics of a failed phase in its report (and a file, for the soak)."""
+    report = yield
+    if report.failed:
+        _diagnostics.watchdog.settle()
+        text = _diagnostics.report(report.when)
+        if text:
+            report.sections.append((f"ftdist diagnostics ({report.when})", text))
+            _diagnostics.save(item.nodeid, report.when, text)
+    return report
