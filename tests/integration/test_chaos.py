@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from ftdist.chaos import netns, schedule
+from tests import _diagnostics
 from tests._procs import processes_with
 
 # One worker runs these in turn (make pytest: pytest-xdist, loadgroup):
@@ -53,23 +54,30 @@ def test_short_chaos_run_passes_with_every_kind_struck(tmp_path: Path) -> None:
     token = uuid.uuid4().hex
     env = {**os.environ, "FTDIST_CHAOS_TEST_TOKEN": token, "PYTHONUNBUFFERED": "1"}
     out = tmp_path / "chaos"
-    proc = subprocess.Popen(
-        [
-            *[sys.executable, "-m", "ftdist.cli", "chaos", "--short", "--duration", "30"],
-            *["--gap", "2.5", "4", "--kinds", ",".join(KINDS), "--out", str(out)],
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
+    # A file, not a pipe: what the suite printed is still there for the
+    # failure report when it hangs (tests/_diagnostics.py).
+    log = tmp_path / "chaos.log"
+    with open(log, "wb") as log_file:
+        proc = subprocess.Popen(
+            [
+                *[sys.executable, "-m", "ftdist.cli", "chaos", "--short", "--duration", "30"],
+                *["--gap", "2.5", "4", "--kinds", ",".join(KINDS), "--out", str(out)],
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    _diagnostics.watch(log, "ftdist chaos output")
+    _diagnostics.watch_glob(out, "**/*.log", "chaos log")
     try:
-        stdout, _ = proc.communicate(timeout=220)
+        proc.wait(timeout=220)
+        stdout = log.read_text(errors="replace")
     finally:
+        _diagnostics.before_kill()
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate(timeout=10)
+            proc.wait(timeout=10)
         for pid in processes_with(f"FTDIST_CHAOS_TEST_TOKEN={token}"):
             try:
                 os.kill(pid, signal.SIGKILL)

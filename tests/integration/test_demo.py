@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tests import _diagnostics
 from tests._procs import processes_with
 from tests.integration.lighthouse_helpers import Lighthouses
 
@@ -38,26 +39,32 @@ class DemoProcess:
         key, value = self.token.split("=")
         env = {**os.environ, key: value, "PYTHONUNBUFFERED": "1"}
         self.out = out
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ftdist.cli", "demo", "--out", str(out), *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            start_new_session=True,
-        )
+        # A file, not a pipe: what the demo printed is still there for the
+        # failure report when it hangs (tests/_diagnostics.py).
+        self.log = out.with_name(f"{out.name}.log")
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "ftdist.cli", "demo", "--out", str(out), *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        _diagnostics.watch(self.log, f"ftdist demo {' '.join(args)}: output")
+        _diagnostics.watch_glob(out / "events", "**/*.log", "demo event log")
 
     def finish(self, timeout: float) -> tuple[int, str]:
-        stdout, _ = self.proc.communicate(timeout=timeout)
-        return self.proc.returncode, stdout
+        self.proc.wait(timeout=timeout)
+        return self.proc.returncode, self.log.read_text(errors="replace")
 
     def report(self) -> dict[str, Any]:
         return json.loads((self.out / "report.json").read_text())
 
     def kill_all(self) -> None:
+        _diagnostics.before_kill()
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.communicate(timeout=10)
+            self.proc.wait(timeout=10)
         for pid in processes_with(self.token):
             try:
                 os.kill(pid, signal.SIGKILL)

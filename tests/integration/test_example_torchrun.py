@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests import _diagnostics
 from tests._procs import processes_with
 from tests.integration.lighthouse_helpers import Lighthouses
 
@@ -37,6 +38,7 @@ def _tagged(tag: str) -> list[int]:
 
 
 def _kill_all(procs: list[subprocess.Popen[Any]], tag: str) -> None:
+    _diagnostics.before_kill()
     # Workers first: killed torchruns would leave them orphaned, not dead.
     for pid in _tagged(tag):
         if pid not in {p.pid for p in procs}:
@@ -72,6 +74,8 @@ def test_two_replica_groups_of_two_ranks_end_bit_identical(lh: Lighthouses, tmp_
             }
             out, err = tmp_path / f"group{group}.out", tmp_path / f"group{group}.err"
             logs.append((out, err))
+            _diagnostics.watch(out, f"replica group {group}: torchrun stdout")
+            _diagnostics.watch(err, f"replica group {group}: torchrun stderr")
             with open(out, "wb") as stdout, open(err, "wb") as stderr:
                 procs.append(
                     subprocess.Popen(

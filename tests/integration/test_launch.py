@@ -19,6 +19,7 @@ import pytest
 from ftdist.errors import ProcessFailedError
 from ftdist.launch import MultiprocessConfig, launch_subprocesses
 from ftdist.launch.layout import parallel_layout
+from tests import _diagnostics
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -191,7 +192,7 @@ def test_children_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
         "    cfg = MultiprocessConfig(world_size=2, backend='gloo')\n"
         "    launch_subprocesses(sleeping_body, cfg, None, 0, sys.argv[1])\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO)]))
+    env = dict(os.environ, PYTHONPATH=_diagnostics.pythonpath(REPO / "src", REPO))
     launcher = subprocess.Popen(
         [sys.executable, "-c", script, str(tmp_path)], cwd=REPO, env=env, start_new_session=True
     )
@@ -209,6 +210,7 @@ def test_children_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
         launcher.wait(timeout=10)
         assert _wait_gone(children + sorted(fork_server)) == []
     finally:
+        _diagnostics.before_kill()
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait(timeout=10)

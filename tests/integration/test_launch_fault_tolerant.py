@@ -18,6 +18,7 @@ import pytest
 from ftdist.errors import ProcessFailedError
 from ftdist.launch import MultiprocessConfig, launch_subprocesses
 from ftdist.launch.config import FaultTolerance
+from tests import _diagnostics
 from tests.integration.test_launch import _wait_gone
 
 REPO = Path(__file__).resolve().parents[2]
@@ -180,11 +181,12 @@ def _ftdist_run(
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT))
     (tmp_path / "out").mkdir()
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    env = dict(os.environ, PYTHONPATH=_diagnostics.pythonpath(REPO / "src"))
     for name in ("FTDIST_LIGHTHOUSE", "TORCHFT_LIGHTHOUSE"):
         env.pop(name, None)
     cmd = [sys.executable, "-m", "ftdist", "run", *argv, str(script), str(tmp_path / "out")]
-    return subprocess.run(cmd + script_argv, env=env, capture_output=True, text=True, timeout=150)
+    # On a timeout: every process's stack and the output so far, then the kill.
+    return _diagnostics.run(cmd + script_argv, timeout=150, env=env)
 
 
 @pytest.mark.timeout(180)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ftdist.launch.ranks import RankContext, Ranks, run_ranks
+from tests import _diagnostics
 from tests.integration.lighthouse_helpers import Lighthouses
 from tests.integration.local_sgd_training import as_tensors, read_lineages, train
 from tests.local_sgd_reference import Config, Lineage, simulate
@@ -68,6 +69,8 @@ def _run(
     A replica that dies is restarted with its next attempt's actions.
     """
     out.mkdir(exist_ok=True)
+    _diagnostics.watch_glob(out, "*.jsonl", "sync records")
+    _diagnostics.watch_glob(out, "*.log", "log (FTDIST_LOG=1)")
     args = (lighthouse, str(out), asdict(cfg), steps)
     attempts = [0] * len(actions)
     first = {str(r): a[0] for r, a in enumerate(actions)}
@@ -89,7 +92,7 @@ def _run(
             time.sleep(0.05)
         outcomes = ranks.join(timeout=10)
     bad = [o for o in outcomes if not o.ok]
-    assert not bad, "\n".join(f"rank {o.rank}: exit {o.exitcode}\n{o.error}" for o in bad)
+    assert not bad, "\n".join(o.describe() for o in bad)
     return [o.value for o in outcomes]
 
 

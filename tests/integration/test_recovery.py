@@ -59,7 +59,7 @@ def _run(
                 ranks.restart(r, lighthouse, group_size, steps, next_actions, attempt)
         outcomes = ranks.join(timeout=120)
     bad = [o for o in outcomes if not o.ok]
-    assert not bad, "\n".join(f"rank {o.rank}: exit {o.exitcode}\n{o.error}" for o in bad)
+    assert not bad, "\n".join(o.describe() for o in bad)
     return [o.value for o in outcomes]
 
 
@@ -140,7 +140,7 @@ def test_live_group_left_out_of_quorums_heals_forward_and_ends_identical(
         ranks.parent_store().add("rejoined", 1)
         outcomes = ranks.join(timeout=120)
     bad = [o for o in outcomes if not o.ok]
-    assert not bad, "\n".join(f"rank {o.rank}: exit {o.exitcode}\n{o.error}" for o in bad)
+    assert not bad, "\n".join(o.describe() for o in bad)
     results = [o.value for o in outcomes]
     for r in results:
         assert r["step"] == steps, r
@@ -192,10 +192,10 @@ def test_healing_source_killed_mid_transfer(patient_lighthouse: str) -> None:
             time.sleep(0.02)
         outcomes = ranks.join(timeout=120)
     served_and_died = [o for o in outcomes[:2] if o.exitcode == -9]
-    assert len(served_and_died) == 1, [(o.rank, o.exitcode, o.error) for o in outcomes]
+    assert len(served_and_died) == 1, "\n".join(o.describe() for o in outcomes)
     alive = [o for o in outcomes if o.exitcode != -9]
     bad = [o for o in alive if not o.ok]
-    assert not bad, [o.error for o in bad]
+    assert not bad, "\n".join(o.describe() for o in bad)
     assert_consistent([o.value for o in alive], 40)
 
 
@@ -214,9 +214,9 @@ def test_failure_news_aborts_the_collective_instead_of_waiting_out_the_timeout()
             outcomes = ranks.join(timeout=40)
     finally:
         server.shutdown()
-    assert outcomes[1].exitcode == -9
+    assert outcomes[1].exitcode == -9, outcomes[1].describe()
     survivor = outcomes[0]
-    assert survivor.ok, survivor.error
+    assert survivor.ok, survivor.describe()
     assert survivor.value["step"] == 12
     # The step the victim died in failed; every other step committed once
     # (from wherever the survivor started: it may have healed at step 0 or 1).
@@ -241,7 +241,7 @@ def test_a_heal_that_loads_incompletely_is_reported_and_never_commits(lighthouse
         _wait_dead(ranks, [1])
         ranks.restart(1, lighthouse, 1, 30, {1: {"stale_lr_on_heal": True, "max_retries": 2}}, 1)
         outcomes = ranks.join(timeout=80)
-    assert outcomes[0].ok, outcomes[0].error
+    assert outcomes[0].ok, outcomes[0].describe()
     _expect_raise(
         outcomes[1],
         "should_commit failed 3 times",

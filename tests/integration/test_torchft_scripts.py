@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests import _diagnostics
 from tests._procs import processes_with
 from tests.integration.lighthouse_helpers import Lighthouses
 
@@ -42,6 +43,7 @@ def _workers(tag: str, group: int) -> list[int]:
 
 
 def _stop(procs: list[subprocess.Popen[Any]], tag: str) -> None:
+    _diagnostics.before_kill()
     for pid in processes_with(f"{TAG}={tag}"):
         if pid not in {p.pid for p in procs}:
             try:
@@ -83,6 +85,8 @@ def test_a_torchft_script_runs_unchanged_but_the_import(
             env.pop("FTDIST_LIGHTHOUSE", None)
             outs.append(tmp_path / f"group{group}.out")
             errs.append(tmp_path / f"group{group}.err")
+            _diagnostics.watch(outs[-1], f"replica group {group}: torchrun stdout")
+            _diagnostics.watch(errs[-1], f"replica group {group}: torchrun stderr")
             with open(outs[-1], "wb") as stdout, open(errs[-1], "wb") as stderr:
                 procs.append(
                     subprocess.Popen(
