@@ -303,6 +303,33 @@ def test_a_stream_that_reconnects_within_the_grace_is_no_failure() -> None:
     assert _failed(sub) == ["a"]
 
 
+def test_a_listener_whose_new_stream_opened_before_its_old_one_closed_lives() -> None:
+    # After a partition a rank's new stream opens first; the lighthouse's
+    # side of the old, half-open connection is closed later by the kernel
+    # (TCP's user timeout). Before listeners were named, that late close
+    # counted as a death of a group that had just come back.
+    from ftdist.lighthouse.engine import STREAM_GRACE_S
+
+    engine, clock = make(min_replicas=2)
+    sub = Subscriber()
+    for rid in ("a", "b"):
+        engine.join(member(rid, step=1), Answer())
+    engine.subscribe(sub)
+    for rank in ("h:1", "h:2"):  # two ranks of group a, one of group b
+        engine.stream_opened("a", rank)
+    engine.stream_opened("b", "h:3")
+    engine.stream_opened("a", "h:1")  # rank h:1's new stream...
+    clock.now += 0.05
+    engine.stream_closed("a", "h:1")  # ...then the old one's late close
+    clock.now += STREAM_GRACE_S
+    engine.tick()
+    assert _failed(sub) == []
+    engine.stream_closed("a", "h:2")  # rank h:2 dies: its only stream
+    clock.now += STREAM_GRACE_S
+    engine.tick()
+    assert _failed(sub) == ["a"]
+
+
 def test_lost_streams_of_non_members_and_anonymous_subscribers_are_ignored() -> None:
     from ftdist.lighthouse.engine import STREAM_GRACE_S
 

@@ -88,7 +88,7 @@ def test_optional_fields_keep_presence() -> None:
 # ftdist's own protocol: changing a number or a method breaks clients of
 # other ftdist versions, so additions only.
 FTDIST = {
-    "SubscribeRequest": {"replica_id": 1},
+    "SubscribeRequest": {"replica_id": 1, "listener": 2},
     "LighthouseEvent": {
         "kind": 1,
         "quorum_id": 2,

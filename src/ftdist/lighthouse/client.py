@@ -107,11 +107,23 @@ class LighthouseEventStream:
 class _Connection:
     """One channel to the lighthouse and the calls made on it."""
 
-    def __init__(self, addr: str, tls: Any) -> None:
+    def __init__(self, addr: str, tls: Any, keepalive_s: float | None = None) -> None:
         # A channel of its own (no subchannel shared with other channels to
         # the same address), so that a renewed connection is really new.
-        options = [*_rpc.client_channel_options(), ("grpc.use_local_subchannel_pool", 1)]
-        self.channel = open_channel(addr, options, tls)
+        extra: dict[str, int] = {"grpc.use_local_subchannel_pool": 1}
+        if keepalive_s is not None:
+            ms = max(1, round(keepalive_s * 1000))
+            extra.update(
+                {
+                    "grpc.keepalive_time_ms": ms,
+                    "grpc.keepalive_timeout_ms": ms,
+                    "grpc.keepalive_permit_without_calls": 1,
+                    # An idle stream sends no data: keep pinging regardless.
+                    "grpc.http2.max_pings_without_data": 0,
+                }
+            )
+        options = [(k, v) for k, v in _rpc.client_channel_options() if k not in extra]
+        self.channel = open_channel(addr, [*options, *extra.items()], tls)
         # When this connection last showed it works (connected, or answered).
         self.alive_at = float("-inf")
         self.quorum = self.channel.unary_unary(
@@ -153,6 +165,12 @@ class LighthouseClient:
             token is sent).
         tls_ca: the PEM file of certificates to trust; setting it (or
             ``FTDIST_TLS_CA``) makes the client use TLS.
+        keepalive: ping the lighthouse this often (a timedelta or seconds),
+            and drop the connection when a ping goes unanswered as long, so
+            that a long call (the failure-news stream) across a partition
+            fails and can be opened again instead of staying half-open;
+            None: every 60 s (for ftdist's lighthouse; torchft's rejects
+            frequent pings).
 
     Raises:
         ValueError: if the address, timeout or token is malformed.
@@ -167,6 +185,7 @@ class LighthouseClient:
         *,
         token: str | None = None,
         tls_ca: str | None = None,
+        keepalive: timedelta | float | None = None,
     ) -> None:
         self.addr = addr
         self.connect_timeout = (
@@ -178,7 +197,8 @@ class LighthouseClient:
         self._target = _rpc.grpc_target(addr)
         self._metadata = call_metadata(job_token(token))
         self._tls = tls_files(ca=tls_ca)
-        self._conn = _Connection(addr, self._tls)
+        self._keepalive_s = None if keepalive is None else to_seconds(keepalive, "keepalive")
+        self._conn = _Connection(addr, self._tls, self._keepalive_s)
         self._lock = threading.Lock()  # one connect waiter at a time
         # Guards _conn and _closed; never held while waiting on the network,
         # so a renewal is not stuck behind a connect that waits.
@@ -224,7 +244,7 @@ class LighthouseClient:
                 # Another call got through meanwhile: the connection works
                 # (closing it would cancel that call, a quorum it waits for).
                 return
-            old, self._conn = self._conn, _Connection(self.addr, self._tls)
+            old, self._conn = self._conn, _Connection(self.addr, self._tls, self._keepalive_s)
             self._connected = False
         # Closing a channel can block for a while (it cancels its calls):
         # never on the caller's path, which is a heartbeat or a quorum round.
@@ -335,11 +355,17 @@ class LighthouseClient:
             self.renew_connection(silent_since=began)
             raise
 
-    def subscribe(self, replica_id: str = "") -> LighthouseEventStream:
+    def subscribe(self, replica_id: str = "", listener: str = "") -> LighthouseEventStream:
         """Open the failure-news stream (ftdist lighthouses only).
 
+        The lighthouse counts the stream's end as the death of ``replica_id``
+        unless ``listener`` holds another stream open.
+
         Args:
-            replica_id: who is listening, for the lighthouse's logs.
+            replica_id: the replica group listening.
+            listener: which process of it listens, the same on every
+                reconnect (``host:pid``); empty counts every stream of the
+                replica group together.
 
         Returns:
             The stream; its first event is ``"subscribed"``. Close it when done.
@@ -349,7 +375,8 @@ class LighthouseClient:
         """
         self._ensure_connected(self._connect_s, "Subscribe")
         call = self._conn.subscribe(
-            ftdist_pb2.SubscribeRequest(replica_id=replica_id), metadata=self._metadata
+            ftdist_pb2.SubscribeRequest(replica_id=replica_id, listener=listener),
+            metadata=self._metadata,
         )
         return LighthouseEventStream(call, f"event stream from lighthouse at {self.addr}")
 

@@ -187,10 +187,10 @@ class LighthouseEngine:
         # every restart of a group is a new id.
         self._left: dict[str, None] = {}
         self._subscribers: set[Subscriber] = set()
-        # Open failure-news streams per replica id, and streams lost recently:
-        # replica id -> (when, open streams before the loss).
-        self._streams: dict[str, int] = {}
-        self._lost_streams: dict[str, tuple[float, int]] = {}
+        # Open failure-news streams per (replica id, listener), and streams
+        # lost recently: key -> (when, open streams before the loss).
+        self._streams: dict[tuple[str, str], int] = {}
+        self._lost_streams: dict[tuple[str, str], tuple[float, int]] = {}
         self._last_reason = ""
         self.closed = False
         self.started_at = clock()
@@ -249,7 +249,8 @@ class LighthouseEngine:
         while len(self._left) > _MAX_LEFT:
             del self._left[next(iter(self._left))]
         self.state.heartbeats.pop(replica_id, None)
-        self._lost_streams.pop(replica_id, None)
+        for key in [k for k in self._lost_streams if k[0] == replica_id]:
+            del self._lost_streams[key]
         logger.info("Replica %s left", replica_id)
         self._publish(ftdist_pb2.MEMBER_LEFT, replica_id=replica_id, reason="it left the job")
         if self.state.participants:
@@ -434,12 +435,19 @@ class LighthouseEngine:
         """
         return compute_quorum(self._clock(), self.state, self.settings)
 
-    def stream_opened(self, replica_id: str) -> None:
-        """A subscriber naming ``replica_id`` opened its failure-news stream."""
-        if replica_id:
-            self._streams[replica_id] = self._streams.get(replica_id, 0) + 1
+    def stream_opened(self, replica_id: str, listener: str = "") -> None:
+        """A subscriber naming ``replica_id`` opened its failure-news stream.
 
-    def stream_closed(self, replica_id: str) -> None:
+        Args:
+            replica_id: the replica group it belongs to.
+            listener: which process of the group listens (stable across its
+                reconnects); empty for clients that do not say.
+        """
+        if replica_id:
+            key = (replica_id, listener)
+            self._streams[key] = self._streams.get(key, 0) + 1
+
+    def stream_closed(self, replica_id: str, listener: str = "") -> None:
         """A subscriber naming ``replica_id`` lost its stream.
 
         A process that dies closes its connections at once, so this is the
@@ -451,11 +459,12 @@ class LighthouseEngine:
         """
         if not replica_id:
             return
-        before = self._streams.get(replica_id, 0)
-        self._streams[replica_id] = max(0, before - 1)
+        key = (replica_id, listener)
+        before = self._streams.get(key, 0)
+        self._streams[key] = max(0, before - 1)
         if replica_id in self._left:
             return
-        self._lost_streams.setdefault(replica_id, (self._clock(), before))
+        self._lost_streams.setdefault(key, (self._clock(), before))
 
     def check_lost_streams(self) -> None:
         """Report members whose streams stayed lost for the grace, at once.
@@ -471,15 +480,22 @@ class LighthouseEngine:
             self._evaluate(now)
 
     def _check_lost_streams(self, now: float) -> None:
-        for replica_id, (since, before) in list(self._lost_streams.items()):
-            if self._streams.get(replica_id, 0) >= before:
-                del self._lost_streams[replica_id]  # reconnected
+        for key, (since, before) in list(self._lost_streams.items()):
+            replica_id, listener = key
+            left = self._streams.get(key, 0)
+            # A named listener lives while any stream of it is open: after a
+            # partition its new stream may open before the server side of
+            # the old, half-open one is closed by the kernel (TCP's user
+            # timeout), which must not read as a death. Unnamed streams of
+            # a replica are counted together, as older clients open them.
+            if (left > 0) if listener else (left >= before):
+                del self._lost_streams[key]  # reconnected
                 continue
             if now - since < STREAM_GRACE_S:
                 continue
-            del self._lost_streams[replica_id]
-            if self._streams.get(replica_id, 0) == 0:
-                self._streams.pop(replica_id, None)
+            del self._lost_streams[key]
+            if left == 0:
+                self._streams.pop(key, None)
             current = self.current
             if (
                 current is None

@@ -465,10 +465,11 @@ class LighthouseServer:
         engine = self._engine
         stream = _EventStream(rpc, engine)
         replica_id = message.replica_id
+        listener = message.listener[:_MAX_FIELD_BYTES]
 
         def cancelled() -> None:
             engine.unsubscribe(stream)
-            engine.stream_closed(replica_id)
+            engine.stream_closed(replica_id, listener)
             if replica_id:
                 # A process that died closes its streams at once: report it
                 # right after the reconnect grace, not at the next tick.
@@ -476,7 +477,7 @@ class LighthouseServer:
 
         rpc.on_cancel(cancelled)
         engine.subscribe(stream)
-        engine.stream_opened(replica_id)
+        engine.stream_opened(replica_id, listener)
 
     def _handle_status(self, rpc: RpcCall, request: bytes) -> None:
         if _decode(rpc, ftdist_pb2.StatusRequest, request) is None:

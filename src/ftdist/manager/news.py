@@ -12,6 +12,8 @@ dead peer instead of waiting out the collective timeout.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +24,12 @@ logger = logging.getLogger(__name__)
 
 # Leaving must not hold up a process that is exiting.
 _LEAVE_TIMEOUT_S = 2.0
+# The stream is idle between events, so only pings notice that a partition
+# left its connection half-open; reopened within about this long after the
+# network is back, it is open again before the lighthouse's side of the old
+# one is closed by TCP's user timeout (10 s), which would read as a death.
+_STREAM_KEEPALIVE_S = 1.0
+_MAX_BACKOFF_S = 1.0
 
 
 class FailureNews:
@@ -57,15 +65,18 @@ class FailureNews:
 
     def _run(self) -> None:
         backoff = 0.1
+        listener = f"{socket.gethostname()}:{os.getpid()}"
         while not self._closed.is_set():
             try:
-                client = LighthouseClient(self._addr or "", self._connect_timeout)
+                client = LighthouseClient(
+                    self._addr or "", self._connect_timeout, keepalive=_STREAM_KEEPALIVE_S
+                )
                 with self._lock:
                     if self._closed.is_set():
                         client.close()
                         return
                     self._client = client
-                    self._stream = client.subscribe(self._replica_id)
+                    self._stream = client.subscribe(self._replica_id, listener)
                     stream = self._stream
                 backoff = 0.1
                 for event in stream:
@@ -81,7 +92,7 @@ class FailureNews:
                         self._client.close()
                     self._client, self._stream = None, None
             self._closed.wait(backoff)
-            backoff = min(backoff * 2, 5.0)
+            backoff = min(backoff * 2, _MAX_BACKOFF_S)
 
     def close(self, leaving: bool = False) -> None:
         """Stop following the stream; joins the thread.

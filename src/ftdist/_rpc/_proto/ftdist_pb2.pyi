@@ -24,10 +24,12 @@ MEMBER_FAILED: EventKind
 MEMBER_LEFT: EventKind
 
 class SubscribeRequest(_message.Message):
-    __slots__ = ("replica_id",)
+    __slots__ = ("replica_id", "listener")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    LISTENER_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
-    def __init__(self, replica_id: _Optional[str] = ...) -> None: ...
+    listener: str
+    def __init__(self, replica_id: _Optional[str] = ..., listener: _Optional[str] = ...) -> None: ...
 
 class LighthouseEvent(_message.Message):
     __slots__ = ("kind", "quorum_id", "replica_id", "reason", "time", "replica_ids")
