@@ -68,6 +68,9 @@ BURNER = (
 )
 
 
+INTERRUPTED = "interrupted (Ctrl-C)"
+
+
 @dataclass
 class Failure:
     """One failed (or errored) test in one run."""
@@ -204,7 +207,12 @@ def check_imports(clone_dir: Path, env: dict[str, str]) -> None:
 @contextlib.contextmanager
 def burners(count: int) -> Iterator[list[subprocess.Popen[bytes]]]:
     """``count`` busy-looping processes for the duration of the block."""
-    procs = [subprocess.Popen([sys.executable, "-c", BURNER]) for _ in range(count)]
+    # Sessions of their own: a Ctrl-C at the terminal reaches the soak, which
+    # stops them, not them (no KeyboardInterrupt tracebacks).
+    procs = [
+        subprocess.Popen([sys.executable, "-c", BURNER], start_new_session=True)
+        for _ in range(count)
+    ]
     try:
         yield procs
     finally:
@@ -254,6 +262,8 @@ def read_junit(path: Path) -> dict[str, tuple[str, str, str]]:
     """Each test's outcome in a JUnit file: key -> (outcome, message, full text)."""
     results: dict[str, tuple[str, str, str]] = {}
     for case in ET.parse(path).getroot().iter("testcase"):
+        if not case.get("name"):
+            continue  # what an interrupted session writes for itself
         key = _key(case.get("classname", ""), case.get("name", ""))
         outcome, message, texts = "passed", "", []
         for child in case:
@@ -320,6 +330,9 @@ def one_run(
             proc.wait(timeout=args.run_timeout)
         except subprocess.TimeoutExpired:
             note = f"run killed after {args.run_timeout:.0f} s"
+        except KeyboardInterrupt:
+            # Still stop the run and keep what it did; main() stops after it.
+            note = INTERRUPTED
         finally:
             _kill_run(proc, token, grace=60)
             left = sweep(token)
@@ -428,9 +441,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 for f in new:
                     print(f"  {f.kind}: {f.test}\n    {f.report}", flush=True)
+                if result.note.startswith(INTERRUPTED):
+                    raise KeyboardInterrupt
                 if args.until_failure and (new or result.note):
                     break
         code = 1 if failures or any(r.note for r in results) else 0
+        # (A run's note: it was killed at its timeout or left processes behind.)
     except KeyboardInterrupt:
         print("interrupted: stopping", flush=True)
         code = 130
