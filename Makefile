@@ -53,6 +53,16 @@ CHAOS_ARGS ?=
 chaos: setup
 	$(VENV)/bin/ftdist chaos $(CHAOS_ARGS)
 
+# The soak (docs/testing.md): the integration and slow tiers (or a preset:
+# recovery, localsgd-chaos) again and again on a fresh clone of HEAD beside
+# two CPU burners; a summary of every failure with its diagnostics at the
+# end (or on Ctrl-C). Not part of `make test`. SOAK_ARGS picks what and how
+# long, e.g. SOAK_ARGS="--preset recovery --runs 20" or "--duration 2h".
+SOAK_ARGS ?= --preset whole
+.PHONY: soak
+soak: setup
+	$(PY) -m tests._soak $(SOAK_ARGS)
+
 # Every check CI runs (.ci/run): lint, format, types, then the test tiers.
 check: lint typecheck pytest
 
