@@ -338,7 +338,10 @@ def dump_stacks(pids: Sequence[int], wait: float = DUMP_WAIT_S) -> dict[int, str
     that took SIGUSR1 for itself) is never signalled: py-spy is tried
     instead, where installed.
     """
-    out = take({pid: pid for pid in pids}, os.environ.get(STACKS_ENV, "/nonexistent"), wait)
+    folder = os.environ.get(STACKS_ENV, "/nonexistent")
+    # A fork-server rank's frames under ftdist.launch.ranks._child_main are
+    # the same in every rank: left out.
+    out = take({pid: pid for pid in pids}, folder, wait, below="_child_main")
     for pid, text in out.items():
         if text.startswith("(") and (spy := _py_spy(pid)) is not None:
             out[pid] = f"{text}\n{spy}"
@@ -388,7 +391,7 @@ def snapshot(
     for p in procs:
         lines.append(
             f"--- pid {p.pid} (parent {p.ppid}) state {p.state} wchan {_wchan(p.pid)}: "
-            f"{p.cmdline[:400]}"
+            f"{p.cmdline[:300]}"
         )
         lines.append(stacks.get(p.pid, "(no stack)"))
     if include_self:
