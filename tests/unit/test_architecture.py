@@ -14,8 +14,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "src" / "ftdist"
-# A module past this many lines hides a second concept (the house style).
+# A module past this many lines may hide a second concept (the house style):
+# the test asks to look, and either split it by concept (never one class over
+# several files through base classes, to meet the number) or name it below
+# with the reason it is one concept.
 MAX_LINES = 600
+LONG_MODULES: dict[str, str] = {}
 # Modules that decide and must not do I/O: no sockets, threads or collectives.
 PURE = [
     "lighthouse/quorum.py",
@@ -24,6 +28,7 @@ PURE = [
     "launch/layout.py",
     "launch/policy.py",
     "chaos/schedule.py",
+    "lighthouse/partition.py",
 ]
 IMPURE_IMPORTS = {"socket", "threading", "grpc", "torch.distributed", "subprocess", "asyncio"}
 
@@ -103,7 +108,19 @@ def test_readme_map_is_the_first_level_of_the_tree() -> None:
 @pytest.mark.parametrize("module", sorted(_tree()))
 def test_modules_stay_small(module: str) -> None:
     lines = len((PACKAGE / module).read_text().splitlines())
-    assert lines <= MAX_LINES, f"{module} has {lines} lines; split out its second concept"
+    if module in LONG_MODULES:
+        return
+    assert lines <= MAX_LINES, (
+        f"{module} has {lines} lines: look whether it holds a second concept and split that "
+        "out (by concept, never one class over several files), or list it in LONG_MODULES "
+        "with the reason it is one concept"
+    )
+
+
+def test_long_modules_listed_are_still_long() -> None:
+    for module in LONG_MODULES:
+        lines = len((PACKAGE / module).read_text().splitlines())
+        assert lines > MAX_LINES, f"{module} has {lines} lines: drop it from LONG_MODULES"
 
 
 def _imports(path: Path) -> set[str]:
