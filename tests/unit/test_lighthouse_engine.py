@@ -271,7 +271,7 @@ def _two_member_quorum() -> tuple[LighthouseEngine, FakeClock, Subscriber]:
 
 
 def test_a_lost_stream_that_stays_lost_is_a_failure_after_the_grace() -> None:
-    from ftdist.lighthouse.engine import STREAM_GRACE_S
+    from ftdist.lighthouse.streams import STREAM_GRACE_S
 
     engine, clock, sub = _two_member_quorum()
     engine.stream_closed("b")
@@ -287,7 +287,7 @@ def test_a_lost_stream_that_stays_lost_is_a_failure_after_the_grace() -> None:
 
 
 def test_a_stream_that_reconnects_within_the_grace_is_no_failure() -> None:
-    from ftdist.lighthouse.engine import STREAM_GRACE_S
+    from ftdist.lighthouse.streams import STREAM_GRACE_S
 
     engine, clock, sub = _two_member_quorum()
     engine.stream_opened("a")  # a second rank of replica a
@@ -308,7 +308,7 @@ def test_a_listener_whose_new_stream_opened_before_its_old_one_closed_lives() ->
     # side of the old, half-open connection is closed later by the kernel
     # (TCP's user timeout). Before listeners were named, that late close
     # counted as a death of a group that had just come back.
-    from ftdist.lighthouse.engine import STREAM_GRACE_S
+    from ftdist.lighthouse.streams import STREAM_GRACE_S
 
     engine, clock = make(min_replicas=2)
     sub = Subscriber()
@@ -331,7 +331,7 @@ def test_a_listener_whose_new_stream_opened_before_its_old_one_closed_lives() ->
 
 
 def test_lost_streams_of_non_members_and_anonymous_subscribers_are_ignored() -> None:
-    from ftdist.lighthouse.engine import STREAM_GRACE_S
+    from ftdist.lighthouse.streams import STREAM_GRACE_S
 
     engine, clock, sub = _two_member_quorum()
     engine.stream_opened("stranger")

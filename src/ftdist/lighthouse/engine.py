@@ -44,6 +44,7 @@ from ftdist.lighthouse.quorum import (
     compute_quorum,
     next_quorum_id,
 )
+from ftdist.lighthouse.streams import StreamWatch
 
 __all__ = ["LATENCY_BUCKETS_S", "FormedQuorum", "LighthouseEngine", "Subscriber"]
 
@@ -79,10 +80,6 @@ _FORGET_AFTER_TIMEOUTS = 12.0
 # long; partial rounds are normal and would flood the log.
 _STUCK_LOG_AFTER_S = 1.0
 
-# How long a replica's lost failure-news stream may take to come back before
-# the replica counts as failed. A reconnecting client is back within a few
-# hundred ms; a dead process never.
-STREAM_GRACE_S = 0.15
 # Left replica ids remembered (to ignore their late heartbeats and streams).
 _MAX_LEFT = 4096
 
@@ -187,10 +184,7 @@ class LighthouseEngine:
         # every restart of a group is a new id.
         self._left: dict[str, None] = {}
         self._subscribers: set[Subscriber] = set()
-        # Open failure-news streams per (replica id, listener), and streams
-        # lost recently: key -> (when, open streams before the loss).
-        self._streams: dict[tuple[str, str], int] = {}
-        self._lost_streams: dict[tuple[str, str], tuple[float, int]] = {}
+        self._streams = StreamWatch()
         self._last_reason = ""
         self.closed = False
         self.started_at = clock()
@@ -249,8 +243,7 @@ class LighthouseEngine:
         while len(self._left) > _MAX_LEFT:
             del self._left[next(iter(self._left))]
         self.state.heartbeats.pop(replica_id, None)
-        for key in [k for k in self._lost_streams if k[0] == replica_id]:
-            del self._lost_streams[key]
+        self._streams.forget(replica_id)
         logger.info("Replica %s left", replica_id)
         self._publish(ftdist_pb2.MEMBER_LEFT, replica_id=replica_id, reason="it left the job")
         if self.state.participants:
@@ -443,28 +436,17 @@ class LighthouseEngine:
             listener: which process of the group listens (stable across its
                 reconnects); empty for clients that do not say.
         """
-        if replica_id:
-            key = (replica_id, listener)
-            self._streams[key] = self._streams.get(key, 0) + 1
+        self._streams.opened(replica_id, listener)
 
     def stream_closed(self, replica_id: str, listener: str = "") -> None:
         """A subscriber naming ``replica_id`` lost its stream.
 
-        A process that dies closes its connections at once, so this is the
-        fastest failure signal there is, faster than the heartbeat timeout,
-        and it covers every rank of a replica group, not only the one that
-        heartbeats. A stream that is merely reconnecting is reopened within
-        :data:`STREAM_GRACE_S`; only a stream that stays lost makes the
-        member count as failed (see :meth:`_check_lost_streams`).
+        Only a stream that stays lost for :data:`STREAM_GRACE_S` makes the
+        member count as failed (:class:`~ftdist.lighthouse.streams.StreamWatch`).
         """
-        if not replica_id:
-            return
-        key = (replica_id, listener)
-        before = self._streams.get(key, 0)
-        self._streams[key] = max(0, before - 1)
         if replica_id in self._left:
             return
-        self._lost_streams.setdefault(key, (self._clock(), before))
+        self._streams.closed(replica_id, listener, self._clock())
 
     def check_lost_streams(self) -> None:
         """Report members whose streams stayed lost for the grace, at once.
@@ -480,22 +462,7 @@ class LighthouseEngine:
             self._evaluate(now)
 
     def _check_lost_streams(self, now: float) -> None:
-        for key, (since, before) in list(self._lost_streams.items()):
-            replica_id, listener = key
-            left = self._streams.get(key, 0)
-            # A named listener lives while any stream of it is open: after a
-            # partition its new stream may open before the server side of
-            # the old, half-open one is closed by the kernel (TCP's user
-            # timeout), which must not read as a death. Unnamed streams of
-            # a replica are counted together, as older clients open them.
-            if (left > 0) if listener else (left >= before):
-                del self._lost_streams[key]  # reconnected
-                continue
-            if now - since < STREAM_GRACE_S:
-                continue
-            del self._lost_streams[key]
-            if left == 0:
-                self._streams.pop(key, None)
+        for replica_id, since in self._streams.expired(now):
             current = self.current
             if (
                 current is None
