@@ -40,6 +40,10 @@ if TYPE_CHECKING:
     from ftdist.manager.rule import QuorumResult
     from ftdist.manager.state import ConsistencyParts, UserState
 
+# Where the Manager's own counters travel in a heal's state (torchft's
+# "torchft", renamed with the package).
+MANAGER_STATE_KEY = "ftdist"
+
 # Heal sources whose clients are kept open (a restarted peer has a new
 # address; the oldest are closed beyond this many).
 MAX_SOURCE_CLIENTS = 4
@@ -168,6 +172,41 @@ def fingerprint(state: Any) -> dict[str, int]:
             crc = zlib.crc32(repr(leaf).encode(), crc)
         parts[name] = crc
     return parts
+
+
+def heal_state(
+    user_state: UserState, counters: dict[str, int], consistency: ConsistencyParts
+) -> dict[str, Any]:
+    """What a healing peer receives: the user state and the Manager's counters.
+
+    Taken under the user state's read lock (see ``disallow_state_dict_read``).
+    ``"consistency"`` (fingerprints of the parts compared across replicas)
+    is present only when such parts are registered.
+
+    Raises:
+        TimeoutError: reads stayed disallowed for the whole timeout.
+    """
+    state: dict[str, Any] = {"user": user_state.save(), MANAGER_STATE_KEY: counters}
+    if consistency:
+        state["consistency"] = consistency.fingerprint()
+    return state
+
+
+def manager_counters(state: dict[str, Any]) -> dict[str, int]:
+    """The Manager's counters in a received state (torchft's key accepted too).
+
+    Raises:
+        KeyError: the state carries no counters.
+    """
+    counters = state.get(MANAGER_STATE_KEY)
+    if counters is None:
+        counters = state.get("torchft")
+    if counters is None:
+        raise KeyError(
+            f"the received state has no Manager counters ({MANAGER_STATE_KEY!r}); "
+            f"it has {sorted(state)}"
+        )
+    return dict(counters)
 
 
 def _transfer_bytes(transport: CheckpointTransport[Any]) -> int:

@@ -58,10 +58,10 @@ from ftdist.errors import (
 )
 from ftdist.manager.client import ManagerClientLike
 from ftdist.manager.config import ManagerConfig, WorldSizeMode
-from ftdist.manager.heal import Healer, HealTimeline, load_received
-from ftdist.manager.internals import TorchftInternals, manager_counters
+from ftdist.manager.heal import Healer, HealTimeline, load_received, manager_counters
+from ftdist.manager.internals import TorchftInternals
 from ftdist.manager.membership import GroupMembership
-from ftdist.manager.round import QuorumRound, RoundOutcome
+from ftdist.manager.round import Participation, QuorumRound, RoundOutcome
 from ftdist.manager.state import ConsistencyParts, StateRegistration, UserState
 from ftdist.manager.work import AllreduceResult, bounded_future
 from ftdist.process_group import ProcessGroup
@@ -170,6 +170,8 @@ class Manager(TorchftInternals, StateRegistration):
         self._init_sync = init_sync
         self._max_retries = max_retries
         self._group_rank = config.group_rank
+        # This replica's part in the latest round (torchft's _healing, ...).
+        self._participation = Participation()
 
         self._user_state = UserState(config.timeout)
         if load_state_dict is not None and state_dict is not None:
@@ -181,7 +183,7 @@ class Manager(TorchftInternals, StateRegistration):
             )
         self._consistency = ConsistencyParts()
 
-        self._checkpoint_transport = checkpoint_transport or HTTPTransport(
+        transport = checkpoint_transport or HTTPTransport(
             config.timeout, num_chunks=0, hostname=config.hostname
         )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftdist-quorum")
@@ -197,7 +199,7 @@ class Manager(TorchftInternals, StateRegistration):
         self._outcome: RoundOutcome | None = None
         # The step's heal is settled (applied or dropped) by should_commit.
         self._settled = True
-        self._membership = GroupMembership(pg, config.group_rank, self._reconfigure_hook)
+        self._membership = GroupMembership(pg, config.group_rank, config.timeout)
         self._fingerprint_due = False
         self.heal_timelines: list[HealTimeline] = []
         self._pending_work: list[torch.futures.Future[Any]] = []
@@ -207,7 +209,7 @@ class Manager(TorchftInternals, StateRegistration):
         try:
             boot = bootstrap(config, replica_id, self._on_member_failed, client)
         except BaseException:
-            self._checkpoint_transport.shutdown(wait=False)
+            transport.shutdown(wait=False)
             self._executor.shutdown(wait=False)
             raise
         self._server = boot.server
@@ -215,11 +217,10 @@ class Manager(TorchftInternals, StateRegistration):
         self._replica_id = boot.replica_id
         self._news = boot.news
         self._own_store = boot.own_store
-        self._healer = Healer(self._checkpoint_transport, config.timeout, boot.connect)
+        self._healer = Healer(transport, config.timeout, boot.connect)
         self._round = QuorumRound(
             client=self._client,
             group_rank=config.group_rank,
-            transport=self._checkpoint_transport,
             membership=self._membership,
             healer=self._healer,
             consistency=self._consistency,
@@ -230,6 +231,7 @@ class Manager(TorchftInternals, StateRegistration):
             state_for_peers=self._manager_state_dict,
             has_state=lambda: bool(self._user_state),
             log_prefix=self._prefix,
+            participation=self._participation,
         )
         logger.info(
             "%s manager ready (group rank %d of %d)",
@@ -321,7 +323,7 @@ class Manager(TorchftInternals, StateRegistration):
         periodic = every > 0 and self._step > 0 and self._step % every == 0
         send_fingerprint, self._fingerprint_due = self._fingerprint_due or periodic, False
         self._quorum_future = self._executor.submit(
-            self._run_round,
+            self._round.run,
             step=self._step,
             commit_failures=self._commit_failures,
             send_fingerprint=send_fingerprint,

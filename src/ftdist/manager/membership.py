@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from ftdist.manager.client import ManagerQuorumResult
-from ftdist.process_group import ProcessGroup
+from ftdist.process_group import ProcessGroup, ReconfigureOptions
 
 __all__ = ["GroupMembership"]
 
@@ -36,25 +36,22 @@ logger = logging.getLogger(__name__)
 class GroupMembership:
     """Keeps one rank's process group configured for the current quorum.
 
+    Each new quorum goes through the attribute :attr:`reconfigure`, the
+    bound method by default; torchft's tests replace it (the Manager's
+    ``_reconfigure_pg`` is an alias of it) to watch or fake reconfigures.
+
     Args:
         pg: the process group spanning the replica groups.
         group_rank: this rank inside its replica group; it names the store
             prefix, so that the group ranks of one replica group each build
             their own process group.
-        reconfigure: rebuilds the group for a new quorum, given its id and
-            the members' reconfigure handles (torchft's
-            ``Manager._reconfigure_pg``); default: :meth:`configure`.
+        timeout: how long a rebuild through reconfigure handles may take.
     """
 
-    def __init__(
-        self,
-        pg: ProcessGroup,
-        group_rank: int,
-        reconfigure: Callable[[int, list[str]], None] | None = None,
-    ) -> None:
+    def __init__(self, pg: ProcessGroup, group_rank: int, timeout: timedelta) -> None:
         self.pg = pg
         self._group_rank = group_rank
-        self._reconfigure = reconfigure
+        self._timeout = timeout
         self.quorum_id = -1
         self.members: list[str] = []
         self._following: ManagerQuorumResult | None = None
@@ -79,12 +76,34 @@ class GroupMembership:
         self.quorum_id = quorum.quorum_id
         self.members = list(getattr(quorum, "replica_ids", ()))
         self._following = quorum
-        if self._reconfigure is None:
-            self.configure()
-        else:
-            self._reconfigure(quorum.quorum_id, _handles(quorum))
+        self.reconfigure(quorum.quorum_id, _handles(quorum))
         self.broken = False
         return time.perf_counter() - start
+
+    def reconfigure(self, communicator_id: int, handles: list[str]) -> None:
+        """Rebuild the process group for a new quorum.
+
+        With ``handles`` (one reconfigure handle per member, in rank order,
+        as today's torchft passes them), the group is rebuilt from them under
+        ``communicator_id``; without, through the quorum's store
+        (:meth:`configure`), as ftdist does.
+
+        Args:
+            communicator_id: the quorum's id.
+            handles: the members' ``get_reconfigure_handle()`` strings, or [].
+
+        Raises:
+            ValueError: a handle is malformed or this group's is missing.
+            RuntimeError: the process group could not be configured.
+        """
+        if not handles:
+            self.configure()
+            return
+        opts = ReconfigureOptions()
+        opts.uuid = communicator_id
+        opts.handles = list(handles)
+        opts.timeout = self._timeout
+        self.pg.reconfigure(opts).wait()
 
     def configure(self) -> None:
         """Configure the group through the store of the quorum being followed.

@@ -22,14 +22,13 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from ftdist.checkpointing import CheckpointTransport
 from ftdist.manager.client import ManagerClientLike, ManagerQuorumResult
 from ftdist.manager.heal import Healer, HealTimeline
 from ftdist.manager.membership import GroupMembership
 from ftdist.manager.rule import participation
 from ftdist.manager.state import ConsistencyParts
 
-__all__ = ["QuorumRound", "RoundOutcome", "Staged"]
+__all__ = ["Participation", "QuorumRound", "RoundOutcome", "Staged"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,16 +73,35 @@ class RoundOutcome:
     heal_settled: bool = False
 
 
+@dataclass
+class Participation:
+    """This replica's part in the latest round, as the quorum thread left it.
+
+    Written when a round ends and read by the training thread after it
+    waited for the round (torchft's ``_participating_replica_rank``,
+    ``_participating_replica_world_size`` and ``_healing`` are these; a test
+    may set them between).
+
+    Attributes:
+        rank: this replica's rank among the participants, or None.
+        world_size: how many replica groups take part.
+        healing: this replica heals in this step.
+    """
+
+    rank: int | None = None
+    world_size: int = 0
+    healing: bool = False
+
+
 class QuorumRound:
     """Runs the quorum round of each step for one rank.
 
     Args:
         client: the replica group's manager client.
         group_rank: this rank inside its replica group.
-        transport: the checkpoint transport (for its metadata); the
-            attribute ``transport`` may be replaced.
         membership: keeps the process group configured for the quorum.
-        healer: serves and receives states.
+        healer: serves and receives states (its transport's metadata is
+            what peers fetch from).
         consistency: the parts fingerprinted for the cross-replica check.
         init_sync: heal every replica from one primary at step 0.
         async_quorum: the round overlaps the step (a healing replica
@@ -93,6 +111,8 @@ class QuorumRound:
         state_for_peers: the state to serve (user state and counters).
         has_state: whether any user state is registered.
         log_prefix: names this rank in log lines.
+        participation: where each round's outcome records this replica's
+            part (a new one by default).
     """
 
     def __init__(
@@ -100,7 +120,6 @@ class QuorumRound:
         *,
         client: ManagerClientLike,
         group_rank: int,
-        transport: CheckpointTransport[Any],
         membership: GroupMembership,
         healer: Healer,
         consistency: ConsistencyParts,
@@ -111,10 +130,11 @@ class QuorumRound:
         state_for_peers: Callable[[], dict[str, Any]],
         has_state: Callable[[], bool],
         log_prefix: Callable[[], str] = str,
+        participation: Participation | None = None,
     ) -> None:
         self._client = client
         self._group_rank = group_rank
-        self.transport = transport
+        self.participation = participation if participation is not None else Participation()
         self._membership = membership
         self._healer = healer
         self._consistency = consistency
@@ -136,13 +156,37 @@ class QuorumRound:
         shrink_only: bool,
         timeout: timedelta,
     ) -> RoundOutcome:
-        """One round (on the quorum thread).
+        """One round (on the quorum thread); records this replica's part in it.
 
         Raises:
             TimeoutError: no quorum within ``timeout``.
             CoordinationError: the manager server or the lighthouse refused.
             ValueError: healing is needed but no state is registered.
         """
+        outcome = self._run(
+            step=step,
+            commit_failures=commit_failures,
+            send_fingerprint=send_fingerprint,
+            allow_heal=allow_heal,
+            shrink_only=shrink_only,
+            timeout=timeout,
+        )
+        part = self.participation
+        part.rank = outcome.participating_rank
+        part.world_size = outcome.participating_world_size
+        part.healing = outcome.heal
+        return outcome
+
+    def _run(
+        self,
+        *,
+        step: int,
+        commit_failures: int,
+        send_fingerprint: bool,
+        allow_heal: bool,
+        shrink_only: bool,
+        timeout: timedelta,
+    ) -> RoundOutcome:
         start = time.perf_counter()
         fingerprint = None
         if send_fingerprint and self._consistency:
@@ -153,7 +197,7 @@ class QuorumRound:
         quorum = self._client._quorum(
             group_rank=self._group_rank,
             step=step,
-            checkpoint_metadata=self.transport.metadata(),
+            checkpoint_metadata=self._healer.transport.metadata(),
             shrink_only=shrink_only,
             timeout=timeout,
             commit_failures=commit_failures,
