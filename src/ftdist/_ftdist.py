@@ -8,17 +8,13 @@ What ``torchft._torchft`` becomes when a script's ``torchft`` is replaced by
 
 from __future__ import annotations
 
-from ftdist._torchft import (
-    LighthouseClient,
-    LighthouseServer,
-    ManagerClient,
-    ManagerServer,
-    Quorum,
-    QuorumMember,
-    QuorumResult,
-    Timestamp,
-    lighthouse_main,
-)
+from ftdist.cli.lighthouse import lighthouse_main
+from ftdist.lighthouse.client import LighthouseClient
+from ftdist.lighthouse.server import LighthouseServer
+from ftdist.lighthouse.types import Quorum, QuorumMember, Timestamp
+from ftdist.manager.client import ManagerClient
+from ftdist.manager.rule import QuorumResult
+from ftdist.manager.server import ManagerServer
 
 __all__ = [
     "LighthouseClient",

@@ -43,8 +43,8 @@ from typing import Any, TypeVar
 import torch
 from torch.futures import Future
 
+from ftdist._accelerator import get_stream_context
 from ftdist._durations import as_timedelta
-from ftdist.utils import get_stream_context
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ftdist._durations import as_timedelta
-from ftdist.http import _IPv6HTTPServer
+from ftdist._http_base import DualStackHTTPServer
 from ftdist.process_group import ProcessGroup, reconfigure_with_store
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class ParameterServer(ABC):
         self._lock = threading.Lock()
         self._sessions: dict[str, tuple[threading.Thread, Any]] = {}
         self._closed = False
-        self._server = _IPv6HTTPServer((host, port), self._handler_class())
+        self._server = DualStackHTTPServer((host, port), self._handler_class())
         self._server.daemon_threads = True
         self._port: int = self._server.socket.getsockname()[1]
         self._thread = threading.Thread(

@@ -163,3 +163,66 @@ def test_command_line_and_coordination_do_not_import_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=50, check=True
     ).stdout.strip()
     assert out == "[]", f"importing the command line pulled in {out}"
+
+
+# torchft's module names at the top level: re-exports only, never imported
+# from inside the package (each object is imported from its home).
+ALIAS_MODULES = {
+    "coordination",
+    "work",
+    "utils",
+    "http",
+    "multiprocessing",
+    "_torchft",
+    "_ftdist",
+}
+# Layers point one way: a lower package never imports a higher one.
+FORBIDDEN_IMPORTS = {
+    "process_group": ("ftdist.manager", "ftdist.lighthouse"),
+    "lighthouse": ("ftdist.manager", "ftdist.process_group"),
+}
+
+
+def _all_imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at any depth (lazy imports in functions too)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN_IMPORTS))
+def test_lower_layers_never_import_higher_ones(package: str) -> None:
+    offenders = {}
+    for path in sorted((PACKAGE / package).rglob("*.py")):
+        bad = sorted(
+            name
+            for name in _all_imports(path)
+            if any(name == f or name.startswith(f + ".") for f in FORBIDDEN_IMPORTS[package])
+        )
+        if bad:
+            offenders[str(path.relative_to(PACKAGE))] = bad
+    assert not offenders, f"{package} must not import these: {offenders}"
+
+
+def test_torchfts_top_level_names_are_aliases_nobody_inside_imports() -> None:
+    for alias in sorted(ALIAS_MODULES):
+        tree = ast.parse((PACKAGE / f"{alias}.py").read_text())
+        defined = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+        assert not defined, f"{alias}.py defines {defined}: move them to their package"
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.parent == PACKAGE and path.stem in ALIAS_MODULES:
+            continue
+        bad = sorted(
+            name
+            for name in _all_imports(path)
+            if any(name == f"ftdist.{a}" or name.startswith(f"ftdist.{a}.") for a in ALIAS_MODULES)
+        )
+        if bad:
+            offenders[str(path.relative_to(PACKAGE))] = bad
+    assert not offenders, f"import these from their homes instead: {offenders}"

@@ -42,7 +42,7 @@ class RestartableLighthouse:
         self.port: int = int(self._server.port)
 
     def _start(self, port: int) -> Any:
-        from ftdist.coordination import LighthouseServer
+        from ftdist.lighthouse import LighthouseServer
 
         return LighthouseServer(
             bind=f"{self.host}:{port}",

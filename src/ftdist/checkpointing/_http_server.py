@@ -30,10 +30,11 @@ import threading
 import time
 from collections.abc import Callable
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from ftdist import _auth
+from ftdist._http_base import DualStackHTTPServer
 
 logger = logging.getLogger("ftdist.checkpointing.http")
 
@@ -217,10 +218,8 @@ class Request(BaseHTTPRequestHandler):
         self.close_connection = True
 
 
-class _Server(ThreadingHTTPServer):
+class _Server(DualStackHTTPServer):
     daemon_threads = True
-    request_queue_size = 1024
-    address_family = socket.AF_INET6
 
     def __init__(
         self,
@@ -236,11 +235,6 @@ class _Server(ThreadingHTTPServer):
         self.threads: set[threading.Thread] = set()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         super().__init__(("::", 0), Request)
-
-    def server_bind(self) -> None:
-        # One socket for IPv4 and IPv6 peers.
-        self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        super().server_bind()
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):

@@ -20,13 +20,14 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
 from ftdist.lighthouse.config import CLI_DEFAULTS, ENV_VARS, resolve_lighthouse_config
 from ftdist.lighthouse.server import LighthouseServer
 
-__all__ = ["register", "run"]
+__all__ = ["lighthouse_main", "register", "run"]
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -196,3 +197,27 @@ def run(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
+
+
+def lighthouse_main(argv: Sequence[str] | None = None) -> int:
+    """Run a lighthouse in the foreground: torchft's ``torchft_lighthouse``.
+
+    The ``ftdist_lighthouse`` console script runs this; it is
+    ``ftdist lighthouse`` and takes torchft's flags (``--min_replicas``,
+    ``--join_timeout_ms``, ``--quorum_tick_ms``, ``--heartbeat_timeout_ms``,
+    ``--bind``) as well as ftdist's. torchft names it
+    ``torchft._torchft.lighthouse_main``, and so does :mod:`ftdist._torchft`.
+
+    Args:
+        argv: the flags (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status of ``ftdist lighthouse``.
+
+    Raises:
+        SystemExit: on ``--help`` or a usage error, as argparse does.
+    """
+    from ftdist.cli import main
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    return main(["lighthouse", *args])

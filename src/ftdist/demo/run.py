@@ -149,7 +149,7 @@ def machine_facts() -> dict[str, Any]:
 
 
 def _start_lighthouse(opts: DemoConfig, view: LiveView) -> tuple[Any, str, str | None, float]:
-    from ftdist.coordination import LighthouseServer
+    from ftdist.lighthouse import LighthouseServer
     from ftdist.lighthouse.client import LighthouseClient
 
     if opts.lighthouse is not None:

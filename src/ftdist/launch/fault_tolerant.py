@@ -57,7 +57,7 @@ def embedded_lighthouse(min_replicas: int, join_timeout: timedelta) -> Any:
         ValueError: a setting is invalid.
         OSError: no port could be bound.
     """
-    from ftdist.coordination import LighthouseServer
+    from ftdist.lighthouse import LighthouseServer
 
     return LighthouseServer(
         bind="127.0.0.1:0",

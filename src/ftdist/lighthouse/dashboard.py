@@ -61,6 +61,7 @@ from importlib import resources
 from typing import Any
 
 from ftdist._auth import bearer, token_matches
+from ftdist._http_base import DualStackHTTPServer
 from ftdist.lighthouse.status import render_metrics
 
 __all__ = ["DashboardServer"]
@@ -175,21 +176,22 @@ class _FreshStatus:
         return value
 
 
-class _HTTPServer(http.server.ThreadingHTTPServer):
-    """Threaded HTTP server whose request threads carry an ftdist name."""
+class _HTTPServer(DualStackHTTPServer):
+    """Threaded HTTP server whose request threads carry an ftdist name.
+
+    It listens on IPv4 unless its host is an IPv6 address (then IPv4 too).
+    """
 
     # Closing joins the request threads, so none outlives the dashboard.
     daemon_threads = False
     block_on_close = True
-    # socketserver's default backlog of 5 drops a burst of connections,
-    # which then wait for TCP's retransmission (seconds).
-    request_queue_size = 128
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, server_address: tuple[str, int], handler: Any) -> None:
+        self.address_family = socket.AF_INET6 if ":" in server_address[0] else socket.AF_INET
         # Open connections and when their current request (or idle wait) began.
         self._open: dict[Any, float] = {}
         self._open_lock = threading.Lock()
-        super().__init__(*args, **kwargs)
+        super().__init__(server_address, handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         with self._open_lock:
@@ -247,16 +249,6 @@ class _HTTPServer(http.server.ThreadingHTTPServer):
         super().process_request_thread(request, client_address)
 
 
-class _HTTPServerV6(_HTTPServer):
-    address_family = socket.AF_INET6
-
-    def server_bind(self) -> None:
-        # Accept IPv4 too when bound to the IPv6 wildcard.
-        with contextlib.suppress(OSError):
-            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        super().server_bind()
-
-
 class DashboardServer:
     """Serves the dashboard on a thread named ``ftdist-lighthouse-http``.
 
@@ -287,12 +279,7 @@ class DashboardServer:
     ) -> None:
         handler = _make_handler(_FreshStatus(status), kill, kill_token, job_token)
         self._httpd: _HTTPServer
-        if host in ("", "0.0.0.0"):
-            self._httpd = _HTTPServer(("0.0.0.0", port), handler)
-        elif ":" in host:
-            self._httpd = _HTTPServerV6((host, port), handler)
-        else:
-            self._httpd = _HTTPServer((host, port), handler)
+        self._httpd = _HTTPServer(("0.0.0.0" if host == "" else host, port), handler)
         self.port: int = self._httpd.server_address[1]
         self._thread = threading.Thread(
             target=self._httpd.serve_forever,

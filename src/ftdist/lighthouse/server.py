@@ -57,13 +57,13 @@ from ftdist._rpc import common as _rpc
 from ftdist._rpc._proto import ftdist_pb2, torchft_pb2
 from ftdist._rpc.auth import metadata_refusal, server_credentials
 from ftdist._rpc.cq_server import CompletionQueueServer, RpcCall
+from ftdist._rpc.kill import kill_manager
 from ftdist.lighthouse.config import LighthouseConfig, resolve_lighthouse_config
 from ftdist.lighthouse.dashboard import DashboardServer
 from ftdist.lighthouse.engine import FormedQuorum, LighthouseEngine
 from ftdist.lighthouse.quorum import QuorumConfig
 from ftdist.lighthouse.status import build_status
 from ftdist.lighthouse.streams import STREAM_GRACE_S
-from ftdist.manager.client import kill_manager
 
 __all__ = ["LighthouseServer"]
 

@@ -7,8 +7,8 @@ Everything that runs the fault-tolerant step protocol of one replica group:
 * :mod:`~ftdist.manager.manager`: :class:`Manager`, one per rank: quorum,
   allreduce, commit vote; :mod:`~ftdist.manager.round`: each step's quorum
   round, on the quorum thread.
-* :mod:`~ftdist.manager.work`: what its allreduce returns;
-  :mod:`~ftdist.manager.managed_work`: today's torchft's lazy
+* :mod:`~ftdist.manager.allreduce_result`: what its allreduce returns;
+  :mod:`~ftdist.manager.lazy_work`: today's torchft's lazy
   ``_ManagedWork``, for code that builds one; :mod:`~ftdist.manager.internals`:
   torchft's private Manager attributes.
 * :mod:`~ftdist.manager.state`: the user state it moves and the
@@ -42,6 +42,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ftdist.manager.allreduce_result import AllreduceResult
     from ftdist.manager.client import ManagerClient
     from ftdist.manager.config import (
         CONNECT_TIMEOUT_SEC_ENV,
@@ -58,33 +59,32 @@ if TYPE_CHECKING:
         get_timeout,
     )
     from ftdist.manager.heal import HealTimeline
-    from ftdist.manager.managed_work import (
+    from ftdist.manager.lazy_work import (
         _ManagedFuture as _ManagedFuture,
     )
-    from ftdist.manager.managed_work import (
+    from ftdist.manager.lazy_work import (
         _ManagedWork as _ManagedWork,
     )
-    from ftdist.manager.managed_work import (
+    from ftdist.manager.lazy_work import (
         _ManagerLogger as _ManagerLogger,
     )
-    from ftdist.manager.managed_work import (
+    from ftdist.manager.lazy_work import (
         _SimpleFuture as _SimpleFuture,
     )
     from ftdist.manager.manager import ExceptionWithTraceback, Manager, WorldSizeMode
     from ftdist.manager.server import ManagerServer
-    from ftdist.manager.work import AllreduceResult
-    from ftdist.work import _DummyWork as _DummyWork
+    from ftdist.process_group.work import CompletedWork as _DummyWork  # noqa: F401
 
 # Loaded on first use: the lighthouse and the command line import the
 # server and client modules of this package, and must not pay for torch.
-_EXPORTS = {
-    "AllreduceResult": "ftdist.manager.work",
+_EXPORTS: dict[str, str | tuple[str, str]] = {
+    "AllreduceResult": "ftdist.manager.allreduce_result",
     "CONNECT_TIMEOUT_SEC_ENV": "ftdist.manager.config",
     "IS_TRITON_AVAILABLE": "ftdist.manager.config",
     "TORCH_FR_DUMP_TEMP_FILE_ENV": "ftdist.manager.config",
     "extract_trailing_digits": "ftdist.manager.config",
     "get_timeout": "ftdist.manager.config",
-    "_DummyWork": "ftdist.work",
+    "_DummyWork": ("ftdist.process_group.work", "CompletedWork"),
     "MANAGER_ADDR_KEY": "ftdist.manager.config",
     "MANAGER_PORT_ENV": "ftdist.manager.config",
     "QUORUM_RETRIES_ENV": "ftdist.manager.config",
@@ -98,18 +98,19 @@ _EXPORTS = {
     "ManagerConfig": "ftdist.manager.config",
     "ManagerServer": "ftdist.manager.server",
     "WorldSizeMode": "ftdist.manager.config",
-    "_ManagedFuture": "ftdist.manager.managed_work",
-    "_ManagedWork": "ftdist.manager.managed_work",
-    "_ManagerLogger": "ftdist.manager.managed_work",
-    "_SimpleFuture": "ftdist.manager.managed_work",
+    "_ManagedFuture": "ftdist.manager.lazy_work",
+    "_ManagedWork": "ftdist.manager.lazy_work",
+    "_ManagerLogger": "ftdist.manager.lazy_work",
+    "_SimpleFuture": "ftdist.manager.lazy_work",
 }
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
+    where = _EXPORTS.get(name)
+    if where is None:
         raise AttributeError(f"module 'ftdist.manager' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    module, attr = (where, name) if isinstance(where, str) else where
+    value = getattr(importlib.import_module(module), attr)
     globals()[name] = value
     return value
 

@@ -23,7 +23,7 @@ torchft's name                          ftdist's
 ``_manager_state_dict()``               :func:`ftdist.manager.heal.heal_state`
 ``_state_dict_lock``,                   :class:`~ftdist.manager.state.UserState`
 ``_is_state_dict_read_allowed``
-``_logger``                             :class:`~ftdist.manager.managed_work._ManagerLogger`
+``_logger``                             :class:`~ftdist.manager.lazy_work.ManagerLogger`
 ======================================  ========================================
 """
 
@@ -33,7 +33,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from ftdist.manager.heal import MANAGER_STATE_KEY, heal_state, manager_counters
-from ftdist.manager.managed_work import _ManagerLogger
+from ftdist.manager.lazy_work import ManagerLogger
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -117,6 +117,6 @@ class TorchftInternals:
         return heal_state(self._user_state, self.state_dict(), self._consistency)
 
     @functools.cached_property
-    def _logger(self) -> _ManagerLogger:
+    def _logger(self) -> ManagerLogger:
         """torchft's prefixed logger of this Manager."""
-        return _ManagerLogger(self, getattr(self, "_replica_id", "?"), self._group_rank)
+        return ManagerLogger(self, getattr(self, "_replica_id", "?"), self._group_rank)

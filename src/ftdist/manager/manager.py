@@ -56,6 +56,7 @@ from ftdist.errors import (
     RecoveryError,
     with_traceback,
 )
+from ftdist.manager.allreduce_result import AllreduceResult, bounded_future
 from ftdist.manager.client import ManagerClientLike
 from ftdist.manager.config import ManagerConfig, WorldSizeMode
 from ftdist.manager.heal import Healer, HealTimeline, load_received, manager_counters
@@ -63,7 +64,6 @@ from ftdist.manager.internals import TorchftInternals
 from ftdist.manager.membership import GroupMembership
 from ftdist.manager.round import Participation, QuorumRound, RoundOutcome
 from ftdist.manager.state import ConsistencyParts, StateRegistration, UserState
-from ftdist.manager.work import AllreduceResult, bounded_future
 from ftdist.process_group import ProcessGroup
 
 logger = logging.getLogger(__name__)
@@ -444,7 +444,7 @@ class Manager(TorchftInternals, StateRegistration):
         tensor quantized: see :mod:`ftdist.collectives` for the error bound.
 
         Returns:
-            An :class:`~ftdist.manager.work.AllreduceResult`: a future of the
+            An :class:`~ftdist.manager.allreduce_result.AllreduceResult`: a future of the
             tensor that is also a ``Work`` (``wait()``, ``get_future()``).
 
         Raises:

@@ -46,7 +46,7 @@ from ftdist.process_group.error_swallowing import (
 )
 from ftdist.process_group.fake import FakeProcessGroupWrapper
 from ftdist.process_group.gloo import ProcessGroupGloo
-from ftdist.process_group.managed import ManagedProcessGroup, _ManagedWork
+from ftdist.process_group.managed import ManagedProcessGroup, ReportingWork
 from ftdist.process_group.managed_mesh import (
     ManagedDeviceMesh,
     _FlattenDeviceMesh,
@@ -63,6 +63,8 @@ from ftdist.process_group.work import CompletedWork
 from ftdist.process_group.wrapper import ProcessGroupWrapper
 from ftdist.process_group.xccl import ProcessGroupXCCL
 
+# torchft 2025's name (torchft.process_group._ManagedWork).
+_ManagedWork = ReportingWork
 # torchft's name for CompletedWork (also ftdist.work._DummyWork: the same class).
 _DummyWork = CompletedWork
 # torchft's private names for reading a rendezvous from reconfigure handles.

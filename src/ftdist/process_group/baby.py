@@ -36,8 +36,8 @@ from ftdist.errors import (
     CommunicationError,
     ProcessGroupAbortedError,
 )
-from ftdist.multiprocessing import _MonitoredPipe
 from ftdist.process_group._baby_child import child_main
+from ftdist.process_group._pipe import MonitoredPipe
 from ftdist.process_group._shm import Exporter
 from ftdist.process_group.base import BACKEND_NAME, Post, ProcessGroup
 from ftdist.process_group.work import WAIT_MARGIN, FtWork, Generation, WorkList, _SettableOnce
@@ -162,7 +162,7 @@ class _Child:
         self.conn = conn
         self.timeout = timeout
         self.label = label
-        self.pipe = _MonitoredPipe(conn)
+        self.pipe = MonitoredPipe(conn)
         self.exporter = Exporter()
         self.pending: dict[int, _BabyWork] = {}
         self.dead: Exception | None = None
@@ -498,7 +498,7 @@ class ProcessGroupBaby(ProcessGroup):
         return child._reader if child is not None else None
 
     @property
-    def _future_pipe(self) -> _MonitoredPipe | None:
+    def _future_pipe(self) -> MonitoredPipe | None:
         child = self._child
         return child.pipe if child is not None else None
 

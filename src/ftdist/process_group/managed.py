@@ -13,7 +13,7 @@ import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
 from ftdist.process_group.base import Post, ProcessGroup, _as_list, _reduce_op
-from ftdist.process_group.work import CompletedWork
+from ftdist.process_group.work import CompletedWork, FutureWork
 from ftdist.process_group.wrapper import ProcessGroupWrapper
 
 
@@ -35,8 +35,12 @@ class _ManagerLike(Protocol):
     def participating_rank(self) -> int | None: ...
 
 
-class _ManagedWork(dist._Work):
-    """A work whose errors go to the manager (torchft's process-group ``_ManagedWork``).
+class ReportingWork(dist._Work):
+    """A work whose errors go to the manager (torchft 2025's ``process_group._ManagedWork``).
+
+    Its ``wait()`` always returns True, unlike the Manager's own lazy work
+    (:class:`~ftdist.manager.lazy_work.LazyWork`, today's torchft's
+    ``manager._ManagedWork``), whose ``wait()`` returns False on an error.
 
     ``wait()`` reports a failure with ``manager.report_error`` and returns
     True; ``get_future()`` is ``manager.wrap_future(work.get_future(),
@@ -142,10 +146,8 @@ class ManagedProcessGroup(ProcessGroupWrapper):
             return CompletedWork(tensors)
         result = manager.allreduce(tensors[0], reduce_op=_reduce_op(op))
         if isinstance(result, torch.futures.Future) and not isinstance(result, dist._Work):
-            from ftdist.manager.work import ResultWork
-
-            result = ResultWork(result)
-        return _ManagedWork(manager, result, tensors)
+            result = FutureWork(result)
+        return ReportingWork(manager, result, tensors)
 
     def _collective(self, op: str, args: tuple[Any, ...], post: Post = None) -> dist.Work:
         # Other ops go to the manager's current group, whatever it is now.

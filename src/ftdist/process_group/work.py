@@ -450,4 +450,46 @@ class FtWork(dist._Work):
         self._inner.synchronize()
 
 
-__all__ = ["WAIT_MARGIN", "FtWork", "Generation", "completed_future", "on_complete"]
+class FutureWork(dist._Work):
+    """A ``torch.distributed.Work`` over a future of one tensor (the Manager's allreduce result).
+
+    For callers that need a real ``Work`` (``dist.all_reduce(t, group=...)``
+    on a ``ManagedProcessGroup``): ``wait()`` returns True once the result is
+    done; errors stay with the Manager.
+    """
+
+    def __init__(self, result: torch.futures.Future[torch.Tensor]) -> None:
+        super().__init__()
+        self._result = result
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Wait for the allreduce; True (its errors are the Manager's)."""
+        self._result.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether the allreduce finished."""
+        return bool(self._result.done())
+
+    def is_success(self) -> bool:
+        """Whether it finished."""
+        return bool(self._result.done())
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        """A future of ``[tensor]``."""
+        return self._result.then(lambda f: [f.value()])
+
+    def result(self) -> list[torch.Tensor]:
+        """``[tensor]`` once done."""
+        return [self._result.wait()]
+
+
+__all__ = [
+    "WAIT_MARGIN",
+    "CompletedWork",
+    "FtWork",
+    "FutureWork",
+    "Generation",
+    "completed_future",
+    "on_complete",
+]

@@ -1,20 +1,21 @@
 """
-torchft's lazy managed work
-===========================
+Lazy work (torchft's managed work)
+==================================
 
-Today's torchft returns a ``_ManagedWork`` from ``Manager.allreduce``: a
+Today's torchft returns a ``_ManagedWork`` (here :class:`LazyWork`) from
+``Manager.allreduce``: a
 ``Work`` whose future callbacks are only recorded by ``then`` and run once
 someone waits on the work (or synchronizes it). ftdist's own allreduce
-returns an :class:`~ftdist.manager.work.AllreduceResult` instead (the seed
+returns an :class:`~ftdist.manager.allreduce_result.AllreduceResult` instead (the seed
 era's future; see the conflict register in docs/torchft.md), but code and
 tests written for today's torchft build these objects themselves, so they
 exist here with torchft's behaviour:
 
-* :class:`_ManagedWork` ``(manager, work, value)``: ``get_future()`` is the
-  tail of a chain of :class:`_ManagedFuture` nodes; ``then(cb)`` appends a
+* :class:`LazyWork` ``(manager, work, value)``: ``get_future()`` is the
+  tail of a chain of :class:`LazyFuture` nodes; ``then(cb)`` appends a
   node. ``wait()``, ``block_current_stream()`` and ``synchronize()`` build
   the chain on the work's future: each callback receives a
-  :class:`_SimpleFuture` of the previous callback's return value (the first
+  :class:`SimpleFuture` of the previous callback's return value (the first
   one receives ``value``), in the order they were added, once the work's
   future completes (on whichever thread completes it). Only the first link
   is bounded by ``manager.wrap_future`` (its timeout and error recording).
@@ -22,7 +23,11 @@ exist here with torchft's behaviour:
   returns True, and on any error logs it through ``manager._logger``,
   reports the original exception with ``manager.report_error`` and
   returns False. It touches nothing else of the manager.
-* :class:`_ManagerLogger`: the ``[replica/group rank - step n]`` log prefix.
+* :class:`ManagerLogger`: the ``[replica/group rank - step n]`` log prefix.
+
+torchft's names (``_ManagedWork``, ``_ManagedFuture``, ``_SimpleFuture``,
+``_ManagerLogger``) are aliases at the end of this module and in
+:mod:`ftdist.manager`.
 """
 
 from __future__ import annotations
@@ -36,18 +41,18 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ftdist.utils import get_stream_context
+from ftdist._accelerator import get_stream_context
 
-__all__ = ["_ManagedFuture", "_ManagedWork", "_ManagerLogger", "_SimpleFuture"]
+__all__ = ["LazyFuture", "LazyWork", "ManagerLogger", "SimpleFuture"]
 
 T = TypeVar("T")
 S = TypeVar("S")
 
-_CHAIN_ONLY = "this future only carries a value along _ManagedWork's callback chain"
-_LAZY = "this future only records callbacks; wait on its _ManagedWork to run them"
+_CHAIN_ONLY = "this future only carries a value along LazyWork's callback chain"
+_LAZY = "this future only records callbacks; wait on its LazyWork to run them"
 
 
-class _ManagerLogger:
+class ManagerLogger:
     """Log lines prefixed with ``[replica_id/group_rank - step n]`` (torchft's format).
 
     Args:
@@ -81,7 +86,7 @@ class _ManagerLogger:
         self._logger.exception("%s %s", self.prefix(), msg)
 
 
-class _SimpleFuture(torch.futures.Future[T]):
+class SimpleFuture(torch.futures.Future[T]):
     """Hands one callback of the chain the previous callback's return value.
 
     Only :meth:`value` works: nothing may wait on or chain from it.
@@ -147,8 +152,8 @@ class _SimpleFuture(torch.futures.Future[T]):
         raise NotImplementedError(_CHAIN_ONLY)
 
 
-class _ManagedFuture(torch.futures.Future[T]):
-    """One node of a :class:`_ManagedWork`'s callback chain.
+class LazyFuture(torch.futures.Future[T]):
+    """One node of a :class:`LazyWork`'s callback chain.
 
     ``then`` records a callback and returns the next node; ``wait`` waits
     for this node's real future once the chain is built (building it if
@@ -159,12 +164,12 @@ class _ManagedFuture(torch.futures.Future[T]):
             (the head's is the work's own future).
     """
 
-    def __init__(self, work: weakref.ReferenceType[_ManagedWork]) -> None:
+    def __init__(self, work: weakref.ReferenceType[LazyWork]) -> None:
         super().__init__()
         self._work = work
         self._fut: torch.futures.Future[Any] | None = None
         self._callback: Callable[[torch.futures.Future[Any]], Any] | None = None
-        self._next: _ManagedFuture[Any] | None = None
+        self._next: LazyFuture[Any] | None = None
 
     def then(self, callback: Callable[[torch.futures.Future[T]], S]) -> torch.futures.Future[S]:
         """Record ``callback``; it runs when the work is waited on.
@@ -177,11 +182,11 @@ class _ManagedFuture(torch.futures.Future[T]):
         """
         work = self._work()
         if work is None:
-            raise RuntimeError("the _ManagedWork of this future was garbage collected")
+            raise RuntimeError("the LazyWork of this future was garbage collected")
         if work._built:
             raise RuntimeError("the callback chain already ran; add callbacks before waiting")
         self._callback = callback
-        self._next = _ManagedFuture(self._work)
+        self._next = LazyFuture(self._work)
         work._tail = self._next
         return self._next
 
@@ -195,7 +200,7 @@ class _ManagedFuture(torch.futures.Future[T]):
         if self._fut is None:
             work = self._work()
             if work is None:
-                raise RuntimeError("the _ManagedWork of this future was garbage collected")
+                raise RuntimeError("the LazyWork of this future was garbage collected")
             work._build()
         assert self._fut is not None
         return self._fut.wait()
@@ -241,7 +246,7 @@ class _ManagedFuture(torch.futures.Future[T]):
         raise NotImplementedError(_LAZY)
 
 
-class _ManagedWork(dist._Work):
+class LazyWork(dist._Work):
     """A process group's work whose future callbacks run lazily (see the module).
 
     Args:
@@ -256,8 +261,8 @@ class _ManagedWork(dist._Work):
         self._manager = manager
         self._work = work
         self._value = value
-        self._head: _ManagedFuture[Any] = _ManagedFuture(weakref.ref(self))
-        self._tail: _ManagedFuture[Any] = self._head
+        self._head: LazyFuture[Any] = LazyFuture(weakref.ref(self))
+        self._tail: LazyFuture[Any] = self._head
         self._built = False
         self._stream = (
             torch.accelerator.current_stream() if torch.accelerator.is_available() else None
@@ -281,7 +286,7 @@ class _ManagedWork(dist._Work):
             node._fut = fut
 
     def _link(
-        self, node: _ManagedFuture[Any], carried: list[Any]
+        self, node: LazyFuture[Any], carried: list[Any]
     ) -> Callable[[torch.futures.Future[Any]], Any]:
         # One closure per node (bound now, not looked up when it runs: it
         # may run later, on the thread that completes the work).
@@ -291,7 +296,7 @@ class _ManagedWork(dist._Work):
         def run(prev: torch.futures.Future[Any]) -> Any:
             with get_stream_context(self._stream):
                 prev.wait()  # the previous link's error, if any, fails this one
-                carried[0] = callback(_SimpleFuture(carried[0]))
+                carried[0] = callback(SimpleFuture(carried[0]))
                 return carried[0]
 
         return run
@@ -336,3 +341,10 @@ class _ManagedWork(dist._Work):
     def get_future(self) -> torch.futures.Future[Any]:
         """The tail of the chain: stands for the last callback's return value."""
         return self._tail
+
+
+# torchft's names (torchft.manager); ftdist.manager re-exports them.
+_ManagedWork = LazyWork
+_ManagedFuture = LazyFuture
+_ManagerLogger = ManagerLogger
+_SimpleFuture = SimpleFuture

@@ -16,7 +16,7 @@ torchft's API:
 Where the two conflict, the seed wins: ``wait()`` returns the tensor, not
 ``True``/``False`` (so ``if not work.wait():`` does not work on a tensor of
 several elements; test ``manager.errored()`` instead). The result is
-therefore not a ``torch.distributed.Work``; :class:`ResultWork` adapts it
+therefore not a ``torch.distributed.Work``; :class:`~ftdist.process_group.work.FutureWork` adapts it
 where one is required (``ManagedProcessGroup``).
 
 Every result completes within the Manager's timeout: a collective that
@@ -34,14 +34,13 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from ftdist.futures import when_done
 
 if TYPE_CHECKING:
     from ftdist.manager.manager import Manager
 
-__all__ = ["AllreduceResult", "ResultWork", "bounded_future"]
+__all__ = ["AllreduceResult", "bounded_future"]
 
 T = TypeVar("T")
 
@@ -182,37 +181,3 @@ class AllreduceResult(torch.futures.Future[torch.Tensor]):
     def block_current_stream(self, timeout: timedelta | None = None) -> None:
         """Wait for the reduction before the current stream goes on."""
         self.wait(timeout)
-
-
-class ResultWork(dist._Work):
-    """A ``torch.distributed.Work`` over an :class:`AllreduceResult`.
-
-    For callers that need a real ``Work`` (``dist.all_reduce(t, group=...)``
-    on a ``ManagedProcessGroup``): ``wait()`` returns True once the result is
-    done; errors stay with the Manager.
-    """
-
-    def __init__(self, result: torch.futures.Future[torch.Tensor]) -> None:
-        super().__init__()
-        self._result = result
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        """Wait for the allreduce; True (its errors are the Manager's)."""
-        self._result.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        """Whether the allreduce finished."""
-        return bool(self._result.done())
-
-    def is_success(self) -> bool:
-        """Whether it finished."""
-        return bool(self._result.done())
-
-    def get_future(self) -> torch.futures.Future[Any]:
-        """A future of ``[tensor]``."""
-        return self._result.then(lambda f: [f.value()])
-
-    def result(self) -> list[torch.Tensor]:
-        """``[tensor]`` once done."""
-        return [self._result.wait()]
