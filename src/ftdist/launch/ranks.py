@@ -1,10 +1,12 @@
 """
-Multi-process test harness
-==========================
+Local ranks
+===========
 
-Runs N ranks of a function as real OS processes that meet on a real TCPStore
-bound to ``127.0.0.1`` port 0, and gathers what each rank returned or the
-traceback it raised. Tests, benchmarks and the demo share it.
+Runs N ranks of a function on this host as real OS processes that meet on a
+TCPStore bound to ``127.0.0.1`` port 0, and gathers what each rank returned
+or the traceback it raised: the in-process counterpart of ``ftdist run`` for
+code that wants ranks without a command line. The demo, the chaos suite, the
+benchmarks and the tests start their ranks with it.
 
 Children start from a fork server that has already imported torch, so a rank
 costs tens of milliseconds to start instead of a full interpreter plus torch
