@@ -19,7 +19,11 @@ PACKAGE = ROOT / "src" / "ftdist"
 # several files through base classes, to meet the number) or name it below
 # with the reason it is one concept.
 MAX_LINES = 600
-LONG_MODULES: dict[str, str] = {}
+LONG_MODULES: dict[str, str] = {
+    "coordinator/group.py": "GroupCoordinator alone: vLLM's flat API, one method per "
+    "collective with its checks and docstring; the transports behind them are collaborators "
+    "(communicator.py, tensor_dict.py, message_queue.py, groups.py, failures.py)",
+}
 # Modules that decide and must not do I/O: no sockets, threads or collectives.
 PURE = [
     "lighthouse/quorum.py",

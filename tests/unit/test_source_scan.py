@@ -51,7 +51,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ): "the result pipe between the rank launcher and the ranks it forks (tests, "
     "benchmarks, the demo): local processes of one user",
     (
-        "coordinator/group_messages.py",
+        "coordinator/group.py",
         "pickle.loads",
     ): "vLLM's GroupCoordinator contract: send_object/recv_object carry arbitrary Python "
     "objects between the ranks of one job over the job's own process group, as "

@@ -9,6 +9,7 @@ timeout. So the first coordinator that sees a :class:`~ftdist.CommunicationError
 posts it under a key in the job's store, and every process watching that
 key aborts its coordinators: their operations in flight fail at once with
 :class:`~ftdist.ProcessGroupAbortedError`, and the job can reconfigure.
+The coordinator methods that post are the ones marked :func:`reports_failures`.
 
 Invariants:
 
@@ -23,12 +24,17 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
+import torch
+
+from ftdist.errors import CommunicationError
 from ftdist.process_group import create_store_client
 
 logger = logging.getLogger(__name__)
@@ -39,6 +45,8 @@ POLL_INTERVAL_S = 0.05
 
 _lock = threading.Lock()
 _watches: dict[str, FailureWatch] = {}
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class FailureWatch:
@@ -141,4 +149,26 @@ def unwatch(w: FailureWatch, coordinator: Any) -> None:
     w.close()
 
 
-__all__ = ["FAILURE_KEY", "FailureWatch", "unwatch", "watch"]
+def reports_failures(fn: F) -> F:
+    """Make a coordinator method post its communication failure as failure news.
+
+    For a coordinator built over ftdist groups (one with a watcher), a
+    :class:`~ftdist.CommunicationError` from the method is posted, naming
+    the coordinator, rank and method, and then raised as before; other
+    coordinators, and calls while ``torch.compile`` traces, run unchanged.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._watch is None or torch.compiler.is_compiling():
+            return fn(self, *args, **kwargs)
+        try:
+            return fn(self, *args, **kwargs)
+        except CommunicationError as exc:
+            self._watch.report(f"{self.unique_name} (rank {self.rank}) {fn.__name__}: {exc}")
+            raise
+
+    return wrapper  # type: ignore[return-value]
+
+
+__all__ = ["FAILURE_KEY", "FailureWatch", "reports_failures", "unwatch", "watch"]

@@ -34,14 +34,22 @@ Invariants:
 
 Ranks are ranks in the process group the queue was built over.
 
-The shared state and wire format are in ``mq_core.py``, the writer in
-``mq_writer.py``, the readers in ``mq_reader.py``; this module joins them.
+A queue is either the writer or a reader, and it owns that end: a
+:class:`~.mq_writer.QueueWriter` or a :class:`~.mq_reader.QueueReader`,
+which do the ring and socket work. :class:`MessageQueue` itself keeps the
+API and the lifetime both share: one call at a time, shutdown from any
+thread, and resources released once. The handle, errors, wire format and
+wait loop are in ``mq_core.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import contextlib
+import threading
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
+
+import zmq
 
 from ftdist.coordinator.mq_core import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -49,15 +57,17 @@ from ftdist.coordinator.mq_core import (
     Handle,
     PeerGoneError,
     QueueShutdownError,
+    Waiter,
     _int_arg,
     _timeout_arg,
     default_ip,
 )
 from ftdist.coordinator.mq_reader import QueueReader
 from ftdist.coordinator.mq_writer import QueueWriter
+from ftdist.coordinator.shm_ring import ShmRingBuffer
 
 
-class MessageQueue(QueueWriter, QueueReader):
+class MessageQueue:
     """A one-writer, many-reader queue of Python objects (see the module docstring).
 
     The constructor builds the writer; readers come from
@@ -82,6 +92,10 @@ class MessageQueue(QueueWriter, QueueReader):
             or ``local_reader_ranks`` of the wrong length or with duplicates.
     """
 
+    _end: QueueWriter | QueueReader
+    _waiter: Waiter
+    _op_lock: threading.Lock
+
     def __init__(
         self,
         n_reader: int,
@@ -94,7 +108,8 @@ class MessageQueue(QueueWriter, QueueReader):
         writer_rank: int = 0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
-        self._start_writer(
+        self._init_lifetime(f"writer rank {writer_rank}")
+        self._end = QueueWriter(
             n_reader,
             n_local_reader,
             local_reader_ranks,
@@ -103,7 +118,13 @@ class MessageQueue(QueueWriter, QueueReader):
             connect_ip,
             writer_rank,
             max_message_bytes,
+            self._waiter,
         )
+
+    def _init_lifetime(self, role: str) -> None:
+        self._waiter = Waiter(role)
+        # One call at a time; shutdown() closes only when no call holds it.
+        self._op_lock = threading.Lock()
 
     # -- readers ---------------------------------------------------------------
     @staticmethod
@@ -124,8 +145,8 @@ class MessageQueue(QueueWriter, QueueReader):
             raise TypeError(f"handle must be a MessageQueue Handle, got {type(handle).__name__}")
         _int_arg("rank", rank, 0)
         self = MessageQueue.__new__(MessageQueue)
-        self._init_common()
-        self._join(handle, rank)
+        self._init_lifetime(f"reader rank {rank} of writer rank {handle.writer_rank}")
+        self._end = QueueReader(handle, rank, self._waiter)
         return self
 
     # -- readiness ---------------------------------------------------------------
@@ -145,10 +166,55 @@ class MessageQueue(QueueWriter, QueueReader):
         """
         timeout = _timeout_arg(timeout)
         with self._op():
-            if self._is_writer:
-                self._writer_handshake(timeout)
-            else:
-                self._reader_handshake(timeout)
+            self._end.handshake(timeout)
+
+    # -- writing and reading ---------------------------------------------------------
+    def enqueue(self, obj: Any, timeout: float | None = None) -> None:
+        """Send ``obj`` to every reader (writer only).
+
+        Args:
+            obj: any picklable object.
+            timeout: seconds to wait for room (None: no limit; a reader that
+                dies is still detected).
+
+        Raises:
+            RuntimeError: not the writer.
+            QueueShutdownError: the queue was shut down (a ``RuntimeError``).
+            ValueError: a frame of the pickled object exceeds ``max_message_bytes``.
+            PeerGoneError: a reader is gone; the queue stays unusable.
+            CollectiveTimeoutError: no room within ``timeout`` (a reader is
+                stuck); the message names the readers behind.
+        """
+        writer = self._end
+        if not isinstance(writer, QueueWriter):
+            raise RuntimeError("Only the writer can enqueue")
+        timeout = _timeout_arg(timeout)
+        frames = writer.frames(obj)
+        with self._op():
+            writer.write(frames, timeout)
+
+    def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
+        """Receive the next object (readers only).
+
+        Args:
+            timeout: seconds to wait (None: until a message, the writer's
+                death, or :meth:`shutdown`).
+            indefinite: accepted for vLLM compatibility: no warning is
+                logged however long the call waits.
+
+        Raises:
+            RuntimeError: not a reader.
+            QueueShutdownError: the queue was (or got) shut down (a ``RuntimeError``).
+            CollectiveTimeoutError: nothing arrived within ``timeout`` (a
+                ``TimeoutError``); the queue stays usable.
+            PeerGoneError: the writer is gone.
+        """
+        reader = self._end
+        if not isinstance(reader, QueueReader):
+            raise RuntimeError("Only readers can dequeue")
+        timeout = _timeout_arg(timeout)
+        with self._op():
+            return reader.read(timeout, indefinite)
 
     # -- helpers ---------------------------------------------------------------------
     def broadcast_object(self, obj: Any = None) -> Any:
@@ -157,7 +223,7 @@ class MessageQueue(QueueWriter, QueueReader):
         Raises:
             See :meth:`enqueue` and :meth:`dequeue`.
         """
-        if self._is_writer:
+        if self.is_writer:
             self.enqueue(obj)
             return obj
         return self.dequeue()
@@ -168,9 +234,143 @@ class MessageQueue(QueueWriter, QueueReader):
         Raises:
             RuntimeError: called on a reader.
         """
-        if not self._is_writer:
+        if not self.is_writer:
             raise RuntimeError("only the writer has a handle to export")
         return self.handle
+
+    # -- lifetime --------------------------------------------------------------------
+    @property
+    def shutting_down(self) -> bool:
+        """True once :meth:`shutdown` was called."""
+        return self._waiter.shutdown.is_set()
+
+    def shutdown(self) -> None:
+        """Stop the queue; safe from any thread, and more than once.
+
+        A call blocked in another thread raises ``RuntimeError`` within a few
+        milliseconds; sockets and shared memory are released by whichever
+        thread finishes last.
+        """
+        self._waiter.shutdown.set()
+        if self._op_lock.acquire(blocking=False):
+            try:
+                self._end.close()
+            finally:
+                self._op_lock.release()
+
+    @contextlib.contextmanager
+    def _op(self) -> Iterator[None]:
+        self._waiter.check_shutdown()
+        broken = self._end.broken
+        if broken is not None:
+            raise RuntimeError(
+                f"message queue ({self._waiter.role}) is unusable after an earlier "
+                f"failure: {broken}"
+            ) from broken
+        if not self._op_lock.acquire(blocking=False):
+            raise RuntimeError(
+                "a MessageQueue is used by one thread at a time; another call is in progress"
+            )
+        try:
+            yield
+        finally:
+            self._op_lock.release()
+            if self._waiter.shutdown.is_set():
+                self._end.close()
+
+    def __del__(self) -> None:
+        # A construction that failed has no end (it closed what it opened).
+        with contextlib.suppress(Exception):
+            self._waiter.shutdown.set()
+            self._end.close()
+
+    # -- the end's state, under vLLM's attribute names ---------------------------------
+    @property
+    def is_writer(self) -> bool:
+        """True for the writer."""
+        return isinstance(self._end, QueueWriter)
+
+    @property
+    def handle(self) -> Handle:
+        """The writer's :class:`Handle` (a reader: the one it joined)."""
+        return self._end.handle
+
+    @property
+    def writer_rank(self) -> int:
+        """The writer's rank."""
+        return self._end.writer_rank
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The largest frame a message may have."""
+        return self._end.max_message_bytes
+
+    @property
+    def buffer(self) -> ShmRingBuffer | None:
+        """The shared-memory ring (the writer with local readers, a local reader), or None."""
+        return self._end.buffer
+
+    @property
+    def current_idx(self) -> int:
+        """The ring chunk written or read next."""
+        return self._end.current_idx
+
+    @property
+    def rank(self) -> int:
+        """A reader's rank; -1 on the writer."""
+        return self._end.rank if isinstance(self._end, QueueReader) else -1
+
+    @property
+    def local_reader_rank(self) -> int:
+        """A local reader's index among the local readers; -1 otherwise."""
+        return self._end.local_reader_rank if isinstance(self._end, QueueReader) else -1
+
+    @property
+    def n_reader(self) -> int:
+        """The writer's readers in total; 0 on a reader."""
+        return self._end.n_reader if isinstance(self._end, QueueWriter) else 0
+
+    @property
+    def local_socket(self) -> zmq.Socket[Any] | None:
+        """The writer's ``ipc://`` socket of overflow messages; None on a reader."""
+        return self._end.local_socket if isinstance(self._end, QueueWriter) else None
+
+    @property
+    def remote_socket(self) -> zmq.Socket[Any] | None:
+        """The writer's TCP socket for remote readers; None on a reader."""
+        return self._end.remote_socket if isinstance(self._end, QueueWriter) else None
+
+    @property
+    def n_local_reader(self) -> int:
+        """The writer's readers on this host.
+
+        Raises:
+            AttributeError: on a reader.
+        """
+        return self._writer("n_local_reader").n_local_reader
+
+    @property
+    def n_remote_reader(self) -> int:
+        """The writer's readers on other hosts (or forced onto TCP).
+
+        Raises:
+            AttributeError: on a reader.
+        """
+        return self._writer("n_remote_reader").n_remote_reader
+
+    @property
+    def local_reader_ranks(self) -> list[int]:
+        """The ranks of the writer's local readers.
+
+        Raises:
+            AttributeError: on a reader.
+        """
+        return self._writer("local_reader_ranks").local_reader_ranks
+
+    def _writer(self, attribute: str) -> QueueWriter:
+        if not isinstance(self._end, QueueWriter):
+            raise AttributeError(f"a MessageQueue reader has no {attribute} (the writer's)")
+        return self._end
 
     # -- collective construction ---------------------------------------------------------
     @staticmethod

@@ -1,37 +1,33 @@
 """
-The message queue's core: its handle, errors, wire format and shared state
-==========================================================================
+The message queue's core: its handle, errors, wire format and waiting
+=====================================================================
 
 What both ends of a :class:`~ftdist.coordinator.MessageQueue` share: the
 :class:`Handle` a reader joins with, the errors, how objects become frames
 (pickle protocol 5, large buffers out of band), the ZeroMQ helpers, and
-:class:`QueueCore`, the state and the waiting, shutdown and cleanup logic
-every queue end runs. The writer's side is in ``mq_writer.py``, the
-reader's in ``mq_reader.py``; ``message_queue.py`` joins them.
+:class:`Waiter`, the wait loop that watches for shutdown and dead peers.
+The writing end is :class:`~.mq_writer.QueueWriter`, a reading end
+:class:`~.mq_reader.QueueReader`; ``message_queue.py`` holds the queue,
+which owns one of them.
 
-Invariants: a call waits in :meth:`QueueCore._wait`, which checks for
-shutdown and dead peers every few milliseconds and honours its deadline;
-one thread at a time uses a queue end; resources are released exactly once,
-by whichever thread finishes last.
+Invariants: a call waits in :meth:`Waiter.wait`, which checks for shutdown
+and dead peers every few milliseconds and honours its deadline.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import pickle
-import shutil
 import socket as _socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
-from ftdist.coordinator.shm_ring import ShmRingBuffer
 from ftdist.errors import CollectiveTimeoutError, CommunicationError
 
 logger = logging.getLogger("ftdist.coordinator.message_queue")
@@ -164,41 +160,32 @@ def _topic(token: bytes, rank: int) -> bytes:
     return _TOPIC_MARK + token + str(rank).encode()
 
 
-class QueueCore:
-    """The state and the waiting, shutdown and cleanup logic of a queue end.
+class Waiter:
+    """How a queue end waits, and the queue's shutdown flag it watches.
 
-    Not built directly; see :class:`~ftdist.coordinator.MessageQueue`.
+    A :class:`~ftdist.coordinator.MessageQueue` builds one and hands it to
+    its end; :meth:`~ftdist.coordinator.MessageQueue.shutdown` sets
+    :attr:`shutdown`, and a wait in another thread notices within a few
+    milliseconds.
+
+    Args:
+        role: the end, as messages name it (``"writer rank 0"``).
     """
 
-    buffer: ShmRingBuffer | None
-    local_socket: zmq.Socket[Any] | None
-    remote_socket: zmq.Socket[Any] | None
-    handle: Handle
-    writer_rank: int
-    n_reader: int
-    max_message_bytes: int
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.shutdown = threading.Event()
 
-    def _init_common(self) -> None:
-        self._is_writer = False
-        self._is_local_reader = False
-        self._is_remote_reader = False
-        self.buffer = None
-        self.local_socket = None
-        self.remote_socket = None
-        self._sub: zmq.Socket[Any] | None = None
-        self._monitor: zmq.Socket[Any] | None = None
-        self._ipc_dir: str | None = None
-        self.current_idx = 0
-        self._shutdown = threading.Event()
-        self._closed = False
-        self._broken: Exception | None = None
-        self._op_lock = threading.Lock()
-        self.rank = -1  # a reader's rank
-        self.local_reader_rank = -1  # a local reader's index among the local readers
-        self._writer_gone: str | None = None
+    def check_shutdown(self) -> None:
+        """Raise if the queue was shut down.
 
-    # -- waiting -----------------------------------------------------------------------
-    def _wait(
+        Raises:
+            QueueShutdownError: it was.
+        """
+        if self.shutdown.is_set():
+            raise QueueShutdownError(f"message queue ({self.role}) was shut down (cancelled)")
+
+    def wait(
         self,
         ready: Callable[[], bool],
         deadline: float | None,
@@ -206,7 +193,20 @@ class QueueCore:
         failure: Callable[[], Exception | None],
         quiet: bool = False,
     ) -> None:
-        """Wait until ``ready()``: spin briefly, then sleep; check peers every few ms."""
+        """Wait until ``ready()``: spin briefly, then sleep; check peers every few ms.
+
+        Args:
+            ready: the condition waited for.
+            deadline: ``time.monotonic()`` to give up at (None: never).
+            describe: what is waited for, for the timeout and the warnings.
+            failure: the error a dead peer makes (None while all live).
+            quiet: log no warning however long the wait.
+
+        Raises:
+            QueueShutdownError: the queue was shut down.
+            CollectiveTimeoutError: ``deadline`` passed.
+            Exception: what ``failure()`` returned, unless ``ready()`` by then.
+        """
         if ready():
             return
         start = time.monotonic()
@@ -215,7 +215,7 @@ class QueueCore:
         while True:
             now = time.monotonic()
             if now >= next_check:
-                self._check_shutdown()
+                self.check_shutdown()
                 error = failure()
                 if error is not None:
                     if ready():  # what the peer did before it went still counts
@@ -224,12 +224,12 @@ class QueueCore:
                 next_check = now + CHECK_INTERVAL_S
             if deadline is not None and now >= deadline:
                 raise CollectiveTimeoutError(
-                    f"message queue ({self._role()}): waited {now - start:.3f}s for {describe()}"
+                    f"message queue ({self.role}): waited {now - start:.3f}s for {describe()}"
                 )
             if not quiet and now >= next_warn:
                 logger.warning(
                     "message queue (%s): still waiting after %.0f s for %s",
-                    self._role(),
+                    self.role,
                     now - start,
                     describe(),
                 )
@@ -242,95 +242,13 @@ class QueueCore:
             if ready():
                 return
 
-    def _role(self) -> str:
-        if self._is_writer:
-            return f"writer rank {self.writer_rank}"
-        return f"reader rank {self.rank} of writer rank {self.writer_rank}"
-
-    @property
-    def shutting_down(self) -> bool:
-        """True once :meth:`shutdown` was called."""
-        return self._shutdown.is_set()
-
-    @property
-    def is_writer(self) -> bool:
-        """True for the writer."""
-        return self._is_writer
-
-    def _check_shutdown(self) -> None:
-        if self._shutdown.is_set():
-            raise QueueShutdownError(f"message queue ({self._role()}) was shut down (cancelled)")
-
-    @contextlib.contextmanager
-    def _op(self) -> Iterator[None]:
-        self._check_shutdown()
-        if self._broken is not None:
-            raise RuntimeError(
-                f"message queue ({self._role()}) is unusable after an earlier "
-                f"failure: {self._broken}"
-            ) from self._broken
-        if not self._op_lock.acquire(blocking=False):
-            raise RuntimeError(
-                "a MessageQueue is used by one thread at a time; another call is in progress"
-            )
-        try:
-            yield
-        finally:
-            self._op_lock.release()
-            if self._shutdown.is_set():
-                self._close_resources()
-
-    def shutdown(self) -> None:
-        """Stop the queue; safe from any thread, and more than once.
-
-        A call blocked in another thread raises ``RuntimeError`` within a few
-        milliseconds; sockets and shared memory are released by whichever
-        thread finishes last.
-        """
-        self._shutdown.set()
-        if self._op_lock.acquire(blocking=False):
-            try:
-                self._close_resources()
-            finally:
-                self._op_lock.release()
-
-    def _remove_ipc_dir(self) -> None:
-        if self._ipc_dir is not None:
-            shutil.rmtree(self._ipc_dir, ignore_errors=True)
-            self._ipc_dir = None
-
-    def _close_resources(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        sub = self._sub
-        if sub is not None and self._monitor is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                sub.disable_monitor()
-        for sock in (self._monitor, sub):
-            if sock is not None:
-                sock.close(linger=0)
-        for sock in (self.local_socket, self.remote_socket):
-            if sock is not None:
-                # Messages still queued for live remote readers get a moment
-                # to leave (in zmq's I/O thread; close itself does not block).
-                sock.close(linger=1000)
-        if self.buffer is not None:
-            self.buffer.close()
-        self._remove_ipc_dir()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self._shutdown.set()
-            self._close_resources()
-
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DEFAULT_READY_TIMEOUT_S",
     "Handle",
     "PeerGoneError",
-    "QueueCore",
     "QueueShutdownError",
+    "Waiter",
     "default_ip",
 ]

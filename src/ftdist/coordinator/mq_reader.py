@@ -3,12 +3,13 @@ The message queue's readers
 ===========================
 
 :class:`QueueReader` is a reading end of a
-:class:`~ftdist.coordinator.MessageQueue`. A reader on the writer's host
-reads the shared-memory ring (and the writer's local socket for messages
-larger than a chunk); a reader elsewhere receives every message from the
-writer's CurveZMQ TCP socket. Each subscribes under a topic of its own, so
-the writer can count it, and watches its connection to learn of the
-writer's death.
+:class:`~ftdist.coordinator.MessageQueue`, which owns it and calls it one
+call at a time (the queue holds the lock and the shutdown flag). A reader
+on the writer's host reads the shared-memory ring (and the writer's local
+socket for messages larger than a chunk); a reader elsewhere receives every
+message from the writer's CurveZMQ TCP socket. Each subscribes under a
+topic of its own, so the writer can count it, and watches its connection
+to learn of the writer's death.
 
 Invariants: a reader releases a chunk only after unpickling it (the objects
 copy what they read, out-of-band buffers are copied out); a reader that
@@ -17,6 +18,7 @@ loses an overflow message stays unusable, since the stream cannot resume.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -27,10 +29,9 @@ from ftdist.coordinator.mq_core import (
     _READY,
     Handle,
     PeerGoneError,
-    QueueCore,
+    Waiter,
     _deserialize,
     _events,
-    _timeout_arg,
     _topic,
     _zmq,
 )
@@ -38,21 +39,45 @@ from ftdist.coordinator.shm_ring import INLINE, ShmRingBuffer, chunk_kind, read_
 from ftdist.errors import CollectiveTimeoutError
 
 
-class QueueReader(QueueCore):
-    """A reading end of a queue (see the module docstring)."""
+class QueueReader:
+    """A reading end of a queue: joins the queue of ``handle`` as rank ``rank``.
 
-    def _join(self, handle: Handle, rank: int) -> None:
-        """Connect as the reader of rank ``rank`` (``MessageQueue.create_from_handle``).
+    Args:
+        handle: the writer's :class:`~.mq_core.Handle`.
+        rank: this reader's rank; a rank in ``handle.local_reader_ranks``
+            reads shared memory, any other the TCP socket.
+        waiter: the queue's shutdown flag and wait loop.
 
-        Raises:
-            ValueError: a remote reader's handle has no remote address.
-            FileNotFoundError: a local reader cannot see the writer's shared memory.
-        """
-        self.writer_rank = handle.writer_rank
+    Attributes:
+        handle: the handle joined.
+        writer_rank, max_message_bytes: the handle's.
+        rank: this reader's rank.
+        local_reader_rank: its index among the local readers; -1 for a remote reader.
+        buffer: the writer's ring (a local reader), or None.
+        current_idx: the ring chunk read next.
+        broken: the error that made the queue unusable (an overflow message
+            lost), or None.
+
+    Raises:
+        ValueError: a remote reader's handle has no remote address.
+        FileNotFoundError: a local reader cannot see the writer's shared memory.
+    """
+
+    def __init__(self, handle: Handle, rank: int, waiter: Waiter) -> None:
+        self._waiter = waiter
         self.handle = handle
+        self.writer_rank = handle.writer_rank
         self.max_message_bytes = handle.max_message_bytes
-        self.n_reader = 0
         self.rank = rank
+        self.local_reader_rank = -1
+        self.is_local = False
+        self.buffer: ShmRingBuffer | None = None
+        self.current_idx = 0
+        self.broken: Exception | None = None
+        self._closed = False
+        self._sub: zmq.Socket[Any] | None = None
+        self._monitor: zmq.Socket[Any] | None = None
+        self._writer_gone: str | None = None
         try:
             sock = _zmq().socket(zmq.SUB)
             sock.setsockopt(zmq.LINGER, 0)
@@ -64,7 +89,7 @@ class QueueReader(QueueCore):
                 assert handle.buffer_handle is not None and handle.local_subscribe_addr
                 self.buffer = ShmRingBuffer(*handle.buffer_handle)
                 self.local_reader_rank = handle.local_reader_ranks.index(rank)
-                self._is_local_reader = True
+                self.is_local = True
                 addr = handle.local_subscribe_addr
             else:
                 if handle.remote_subscribe_addr is None or handle.server_public_key is None:
@@ -78,7 +103,6 @@ class QueueReader(QueueCore):
                 sock.curve_serverkey = handle.server_public_key
                 sock.curve_publickey = public
                 sock.curve_secretkey = secret
-                self._is_remote_reader = True
                 addr = handle.remote_subscribe_addr
             # "" first: the writer counts a reader once its own topic
             # arrives, and by then the catch-all subscription is in place.
@@ -86,60 +110,56 @@ class QueueReader(QueueCore):
             sock.setsockopt(zmq.SUBSCRIBE, _topic(handle.token, rank))
             sock.connect(addr)
         except BaseException:
-            self._close_resources()
+            self.close()
             raise
 
-    def _reader_handshake(self, timeout: float | None) -> None:
+    def handshake(self, timeout: float | None) -> None:
+        """Wait for the writer's ``READY``.
+
+        Raises:
+            CollectiveTimeoutError: no ``READY`` within ``timeout``.
+            PeerGoneError: the writer is gone.
+            QueueShutdownError: the queue was shut down.
+            RuntimeError: the first message was something else.
+        """
         frames = self._recv(timeout, "the READY message of the handshake")
         if len(frames) != 1 or bytes(frames[0]) != _READY:
             raise RuntimeError("message queue handshake: the first message was not READY")
 
     # -- reading ---------------------------------------------------------------------
-    def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
-        """Receive the next object (readers only).
-
-        Args:
-            timeout: seconds to wait (None: until a message, the writer's
-                death, or :meth:`shutdown`).
-            indefinite: accepted for vLLM compatibility: no warning is
-                logged however long the call waits.
+    def read(self, timeout: float | None, indefinite: bool) -> Any:
+        """The next object; ``indefinite``: log no warning however long it takes.
 
         Raises:
-            RuntimeError: not a reader.
-            QueueShutdownError: the queue was (or got) shut down (a ``RuntimeError``).
-            CollectiveTimeoutError: nothing arrived within ``timeout`` (a
-                ``TimeoutError``); the queue stays usable.
+            QueueShutdownError: the queue was (or got) shut down.
+            CollectiveTimeoutError: nothing arrived within ``timeout``.
             PeerGoneError: the writer is gone.
         """
-        if not (self._is_local_reader or self._is_remote_reader):
-            raise RuntimeError("Only readers can dequeue")
-        timeout = _timeout_arg(timeout)
-        with self._op():
-            deadline = None if timeout is None else time.monotonic() + timeout
-            if self._is_local_reader:
-                found, obj = self._read_chunk(deadline, indefinite)
-                if found:
-                    return obj
-                # The chunk was an overflow marker and is released: the
-                # stream cannot resume if its message does not arrive.
-                try:
-                    frames = self._recv(
-                        None if deadline is None else max(0.0, deadline - time.monotonic()),
-                        "an overflow message",
-                        indefinite,
-                    )
-                except Exception as exc:
-                    self._broken = exc
-                    raise
-            else:
-                frames = self._recv(timeout, "the next message", indefinite)
-            return _deserialize(frames)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self.is_local:
+            found, obj = self._read_chunk(deadline, indefinite)
+            if found:
+                return obj
+            # The chunk was an overflow marker and is released: the
+            # stream cannot resume if its message does not arrive.
+            try:
+                frames = self._recv(
+                    None if deadline is None else max(0.0, deadline - time.monotonic()),
+                    "an overflow message",
+                    indefinite,
+                )
+            except Exception as exc:
+                self.broken = exc
+                raise
+        else:
+            frames = self._recv(timeout, "the next message", indefinite)
+        return _deserialize(frames)
 
     def _read_chunk(self, deadline: float | None, quiet: bool) -> tuple[bool, Any]:
         """``(True, obj)`` for an inline chunk; ``(False, None)`` for an overflow marker."""
         buf, reader, idx = self.buffer, self.local_reader_rank, self.current_idx
         assert buf is not None
-        self._wait(
+        self._waiter.wait(
             lambda: buf.readable(idx, reader),
             deadline,
             lambda: "the next message",
@@ -171,7 +191,7 @@ class QueueReader(QueueCore):
         assert sock is not None
         deadline = None if timeout is None else time.monotonic() + timeout
         while not sock.poll(0):
-            self._check_shutdown()
+            self._waiter.check_shutdown()
             error = self._writer_failure()
             if error is not None and not sock.poll(0):
                 raise error
@@ -208,6 +228,22 @@ class QueueReader(QueueCore):
             f"{self._writer_gone}",
             [self.writer_rank],
         )
+
+    # -- closing -------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the socket, its monitor and the ring mapping; only the first call acts."""
+        if self._closed:
+            return
+        self._closed = True
+        sub = self._sub
+        if sub is not None and self._monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                sub.disable_monitor()
+        for sock in (self._monitor, sub):
+            if sock is not None:
+                sock.close(linger=0)
+        if self.buffer is not None:
+            self.buffer.close()
 
 
 __all__ = ["QueueReader"]

@@ -3,7 +3,9 @@ The message queue's writer
 ==========================
 
 :class:`QueueWriter` is the writing end of a
-:class:`~ftdist.coordinator.MessageQueue`: it owns the shared-memory ring
+:class:`~ftdist.coordinator.MessageQueue`, which owns it and calls it one
+call at a time (the queue holds the lock and the shutdown flag). It owns the
+shared-memory ring
 (for readers on this host) and two ZeroMQ ``XPUB`` sockets (a local one for
 messages larger than a chunk, a CurveZMQ TCP one for readers elsewhere),
 counts its readers by their subscriptions, and learns of a dead reader from
@@ -18,6 +20,7 @@ unusable (:class:`~.mq_core.PeerGoneError`).
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Sequence
@@ -30,11 +33,10 @@ from ftdist.coordinator.mq_core import (
     _TOPIC_MARK,
     Handle,
     PeerGoneError,
-    QueueCore,
+    Waiter,
     _events,
     _int_arg,
     _serialize,
-    _timeout_arg,
     _zmq,
     default_ip,
 )
@@ -42,10 +44,32 @@ from ftdist.coordinator.shm_ring import ShmRingBuffer, frames_size, mark_overflo
 from ftdist.errors import CollectiveTimeoutError
 
 
-class QueueWriter(QueueCore):
-    """The writing end of a queue (see the module docstring)."""
+class QueueWriter:
+    """The writing end of a queue (see the module docstring).
 
-    def _start_writer(
+    Args:
+        n_reader, n_local_reader, local_reader_ranks, max_chunk_bytes,
+            max_chunks, connect_ip, writer_rank, max_message_bytes: as for
+            :class:`~ftdist.coordinator.MessageQueue`.
+        waiter: the queue's shutdown flag and wait loop.
+
+    Attributes:
+        handle: what readers join with.
+        writer_rank, n_reader, n_local_reader, local_reader_ranks,
+            max_message_bytes: as given (``local_reader_ranks`` filled in).
+        n_remote_reader: the readers served over TCP.
+        buffer: the ring of the local readers, or None without any.
+        local_socket: the ``ipc://`` socket of overflow messages, or None.
+        remote_socket: the CurveZMQ TCP socket of remote readers, or None.
+        current_idx: the ring chunk the next message goes to.
+        broken: the error that made the queue unusable (a reader is gone), or None.
+
+    Raises:
+        TypeError, ValueError: a count or size of the wrong type or range,
+            or ``local_reader_ranks`` of the wrong length or with duplicates.
+    """
+
+    def __init__(
         self,
         n_reader: int,
         n_local_reader: int,
@@ -55,8 +79,8 @@ class QueueWriter(QueueCore):
         connect_ip: str | None,
         writer_rank: int,
         max_message_bytes: int,
+        waiter: Waiter,
     ) -> None:
-        """Validate the arguments, then build the ring and the sockets (``MessageQueue()``)."""
         _int_arg("n_reader", n_reader, 0)
         _int_arg("n_local_reader", n_local_reader, 0)
         _int_arg("max_chunk_bytes", max_chunk_bytes, 64)
@@ -69,14 +93,19 @@ class QueueWriter(QueueCore):
         )
         if len(ranks) != n_local_reader or len(set(ranks)) != len(ranks):
             raise ValueError(f"local_reader_ranks {ranks} must be {n_local_reader} distinct ranks")
-        self._init_common()
-        self._is_writer = True
+        self._waiter = waiter
         self.writer_rank = writer_rank
         self.n_reader = n_reader
         self.n_local_reader = n_local_reader
         self.n_remote_reader = n_reader - n_local_reader
         self.local_reader_ranks = ranks
         self.max_message_bytes = max_message_bytes
+        self.buffer: ShmRingBuffer | None = None
+        self.local_socket: zmq.Socket[Any] | None = None
+        self.remote_socket: zmq.Socket[Any] | None = None
+        self.current_idx = 0
+        self.broken: Exception | None = None
+        self._closed = False
         self._token = os.urandom(16)
         self._subscribed: dict[str, set[int]] = {"local": set(), "remote": set()}
         self._gone: dict[int, str] = {}
@@ -112,7 +141,7 @@ class QueueWriter(QueueCore):
                 handle.remote_addr_ipv6 = ipv6
                 handle.server_public_key = public
         except BaseException:
-            self._close_resources()
+            self.close()
             raise
         self.handle = handle
 
@@ -127,7 +156,15 @@ class QueueWriter(QueueCore):
         sock.setsockopt(zmq.MAXMSGSIZE, 4096)
         return sock
 
-    def _writer_handshake(self, timeout: float | None) -> None:
+    def handshake(self, timeout: float | None) -> None:
+        """Wait until every reader subscribed, then send them ``READY``.
+
+        Raises:
+            CollectiveTimeoutError: not every reader subscribed within
+                ``timeout``; the message names the missing ranks.
+            PeerGoneError: a reader disconnected meanwhile.
+            QueueShutdownError: the queue was shut down.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         poller = zmq.Poller()
         for sock in (self.local_socket, self.remote_socket):
@@ -139,7 +176,7 @@ class QueueWriter(QueueCore):
                 raise self._gone_error("during the readiness handshake")
             if self._all_subscribed():
                 break
-            self._check_shutdown()
+            self._waiter.check_shutdown()
             if deadline is not None and time.monotonic() > deadline:
                 missing = sorted(set(self.local_reader_ranks) - self._subscribed["local"])
                 raise CollectiveTimeoutError(
@@ -196,25 +233,12 @@ class QueueWriter(QueueCore):
         )
 
     # -- writing -------------------------------------------------------------------
-    def enqueue(self, obj: Any, timeout: float | None = None) -> None:
-        """Send ``obj`` to every reader (writer only).
-
-        Args:
-            obj: any picklable object.
-            timeout: seconds to wait for room (None: no limit; a reader that
-                dies is still detected).
+    def frames(self, obj: Any) -> list[Any]:
+        """``obj`` pickled into frames (the pickle, then its large buffers).
 
         Raises:
-            RuntimeError: not the writer.
-            QueueShutdownError: the queue was shut down (a ``RuntimeError``).
-            ValueError: a frame of the pickled object exceeds ``max_message_bytes``.
-            PeerGoneError: a reader is gone; the queue stays unusable.
-            CollectiveTimeoutError: no room within ``timeout`` (a reader is
-                stuck); the message names the readers behind.
+            ValueError: a frame exceeds ``max_message_bytes``.
         """
-        if not self._is_writer:
-            raise RuntimeError("Only the writer can enqueue")
-        timeout = _timeout_arg(timeout)
         frames = _serialize(obj)
         for f in frames:
             n = memoryview(f).nbytes
@@ -223,33 +247,42 @@ class QueueWriter(QueueCore):
                     f"a frame of {n} bytes exceeds max_message_bytes ({self.max_message_bytes}); "
                     "raise max_message_bytes or send the data in parts"
                 )
-        with self._op():
-            deadline = None if timeout is None else time.monotonic() + timeout
-            self._raise_if_readers_gone()
-            buf = self.buffer
-            if buf is not None:
-                idx = self.current_idx
-                self._wait(
-                    lambda: buf.writable(idx),
-                    deadline,
-                    lambda: self._behind(idx),
-                    self._reader_failure,
-                )
-                buf.begin_write(idx)
-                chunk = buf.data(idx)
-                overflow = frames_size(frames) > buf.max_chunk_bytes
-                if overflow:
-                    mark_overflow(chunk)
-                else:
-                    write_frames(chunk, frames)
-                del chunk
-                buf.publish(idx)
-                self.current_idx = (idx + 1) % buf.max_chunks
-                if overflow:
-                    assert self.local_socket is not None
-                    self._send(self.local_socket, frames, deadline)
-            if self.remote_socket is not None:
-                self._send(self.remote_socket, frames, deadline)
+        return frames
+
+    def write(self, frames: Sequence[Any], timeout: float | None) -> None:
+        """Send ``frames`` to every reader: through the ring, the sockets, or both.
+
+        Raises:
+            QueueShutdownError: the queue was shut down.
+            PeerGoneError: a reader is gone; :attr:`broken` is set.
+            CollectiveTimeoutError: no room within ``timeout``.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._raise_if_readers_gone()
+        buf = self.buffer
+        if buf is not None:
+            idx = self.current_idx
+            self._waiter.wait(
+                lambda: buf.writable(idx),
+                deadline,
+                lambda: self._behind(idx),
+                self._reader_failure,
+            )
+            buf.begin_write(idx)
+            chunk = buf.data(idx)
+            overflow = frames_size(frames) > buf.max_chunk_bytes
+            if overflow:
+                mark_overflow(chunk)
+            else:
+                write_frames(chunk, frames)
+            del chunk
+            buf.publish(idx)
+            self.current_idx = (idx + 1) % buf.max_chunks
+            if overflow:
+                assert self.local_socket is not None
+                self._send(self.local_socket, frames, deadline)
+        if self.remote_socket is not None:
+            self._send(self.remote_socket, frames, deadline)
 
     def _behind(self, idx: int) -> str:
         assert self.buffer is not None
@@ -259,8 +292,8 @@ class QueueWriter(QueueCore):
     def _raise_if_readers_gone(self) -> None:
         self._drain_subscriptions()
         if self._gone:
-            self._broken = self._gone_error("")
-            raise self._broken
+            self.broken = self._gone_error("")
+            raise self.broken
 
     def _reader_failure(self) -> Exception | None:
         self._drain_subscriptions()
@@ -277,12 +310,32 @@ class QueueWriter(QueueCore):
                 return
             except zmq.Again:
                 pass
-            self._wait(
+            self._waiter.wait(
                 lambda: bool(_events(sock) & zmq.POLLOUT),
                 deadline,
                 lambda: "a reader to drain the socket",
                 self._reader_failure,
             )
+
+    # -- closing -------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the sockets, the ring and the socket directory; only the first call acts."""
+        if self._closed:
+            return
+        self._closed = True
+        for sock in (self.local_socket, self.remote_socket):
+            if sock is not None:
+                # Messages still queued for live remote readers get a moment
+                # to leave (in zmq's I/O thread; close itself does not block).
+                sock.close(linger=1000)
+        if self.buffer is not None:
+            self.buffer.close()
+        self._remove_ipc_dir()
+
+    def _remove_ipc_dir(self) -> None:
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir = None
 
 
 __all__ = ["QueueWriter"]
