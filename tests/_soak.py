@@ -69,6 +69,9 @@ BURNER = (
 
 
 INTERRUPTED = "interrupted (Ctrl-C)"
+# How long a run's processes get to exit after pytest did before they count
+# as left behind.
+LEFTOVER_GRACE_S = 10.0
 
 
 @dataclass
@@ -222,10 +225,15 @@ def burners(count: int) -> Iterator[list[subprocess.Popen[bytes]]]:
             proc.wait()
 
 
-def _kill_run(proc: subprocess.Popen[bytes], token: str, grace: float) -> None:
+def _kill_run(proc: subprocess.Popen[bytes], token: str, grace: float) -> list[int]:
     """Stop a run: SIGINT first (pytest then runs its teardown, which stops the
-    tests' processes), then SIGKILL for its process group and every process
-    carrying its token."""
+    tests' processes), then SIGKILL for its process group; then every process
+    that carries its token and is still there after a few seconds (a fork
+    server exits shortly after its worker: not a leftover) is killed.
+
+    Returns:
+        The pids of the processes that outlived the run and were killed.
+    """
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGINT)
@@ -235,7 +243,10 @@ def _kill_run(proc: subprocess.Popen[bytes], token: str, grace: float) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    sweep(token)
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    while processes_with(f"{TOKEN_ENV}={token}") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return sweep(token)
 
 
 def sweep(token: str) -> list[int]:
@@ -334,8 +345,7 @@ def one_run(
             # Still stop the run and keep what it did; main() stops after it.
             note = INTERRUPTED
         finally:
-            _kill_run(proc, token, grace=60)
-            left = sweep(token)
+            left = _kill_run(proc, token, grace=60)
             if left:
                 note += f" (processes left behind and killed: {left})"
     result = RunResult(n, time.monotonic() - started, proc.returncode, note=note.strip())
