@@ -16,6 +16,7 @@ failed step as garbage (the Manager never commits such a step).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -59,6 +60,7 @@ class _Graveyard:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._graves: list[_Grave] = []
+        self._reapers: list[threading.Thread] = []
 
     def bury(self, backend: Any, timeout: timedelta, busy: Callable[[], bool]) -> None:
         if backend is None:
@@ -74,8 +76,20 @@ class _Graveyard:
         with self._lock:
             expired, kept = _split_expired(self._graves, time.monotonic())
             self._graves = kept
+            self._reapers = [t for t in self._reapers if t.is_alive()]
         if expired:
-            threading.Thread(target=expired.clear, name="ftdist-pg-sweep", daemon=True).start()
+            reaper = threading.Thread(target=expired.clear, name="ftdist-pg-sweep", daemon=True)
+            with self._lock:
+                self._reapers.append(reaper)
+            reaper.start()
+
+    def drain(self, timeout_s: float = 10.0) -> None:
+        """Wait for backends being destroyed right now (at exit, see below)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            reapers = list(self._reapers)
+        for reaper in reapers:
+            reaper.join(max(0.0, deadline - time.monotonic()))
 
     def __len__(self) -> int:
         return len(self._graves)
@@ -91,6 +105,11 @@ def _split_expired(graves: list[_Grave], now: float) -> tuple[list[_Grave], list
 
 
 GRAVEYARD = _Graveyard()
+# A process that exits while a reaper thread is inside a Gloo destructor
+# aborts ("terminate called without an active exception": the interpreter
+# tears the daemon thread down under C++ that is joining its threads). Exit
+# waits for the reapers first; atexit runs before daemon threads are stopped.
+atexit.register(GRAVEYARD.drain)
 
 
 def split_pg_and_timeout(first: Any, second: Any, default: timedelta) -> tuple[Any, timedelta]:
