@@ -8,8 +8,13 @@ import pytest
 
 from ftdist.chaos import report, schedule
 from ftdist.chaos.supervisor import ChaosRecord, GroupState, RankState
+from ftdist.demo.events import FinalEvent
 
 pytestmark = pytest.mark.timeout(30)
+
+
+def _final(digest: str, step: int) -> FinalEvent:
+    return FinalEvent(t=1.0, step=step, hash=digest, eval_loss=0.5, accuracy=0.8)
 
 
 def _record(hashes: list[list[str]], step: int = 100) -> ChaosRecord:
@@ -17,7 +22,7 @@ def _record(hashes: list[list[str]], step: int = 100) -> ChaosRecord:
     for g, ranks in enumerate(hashes):
         gs = GroupState(g, [RankState(r) for r in range(len(ranks))])
         for rs, h in zip(gs.ranks, ranks, strict=True):
-            rs.final = {"hash": h, "step": step}
+            rs.final = _final(h, step)
         gs.steps_attempted, gs.steps_committed = 110, 100
         groups.append(gs)
     rec = ChaosRecord(groups, started=1000.0, ended=1700.0, clock_started_s=5.0, stop_step=step)
@@ -80,7 +85,7 @@ def test_missing_final_or_different_steps_is_divergence() -> None:
     rec.groups[2].ranks[1].final = None
     assert "group2/rank1" in report.divergence(rec)["reason"]
     rec = _record(SAME)
-    rec.groups[0].ranks[0].final = {"hash": "a", "step": 99}
+    rec.groups[0].ranks[0].final = _final("a", 99)
     assert "different steps" in report.divergence(rec)["reason"]
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from ftdist.demo import DemoConfig
+from ftdist.demo.events import FinalEvent
 from ftdist.demo.report import build_report, loss_curve, render_text, verdict
 from ftdist.demo.supervisor import ReplicaState, RunRecord
 from ftdist.demo.view import LiveView, progress_bar, table_rows
@@ -16,11 +17,11 @@ from ftdist.demo.view import LiveView, progress_bar, table_rows
 pytestmark = pytest.mark.timeout(60)
 
 
-def _final(step: int, digest: str) -> dict[str, object]:
-    return {"kind": "final", "step": step, "hash": digest, "eval_loss": 0.5, "accuracy": 0.8}
+def _final(step: int, digest: str) -> FinalEvent:
+    return FinalEvent(t=1.0, step=step, hash=digest, eval_loss=0.5, accuracy=0.8)
 
 
-def _record(finals: list[dict[str, object] | None], name: str = "failures") -> RunRecord:
+def _record(finals: list[FinalEvent | None], name: str = "failures") -> RunRecord:
     record = RunRecord(name, [ReplicaState(r, final=f) for r, f in enumerate(finals)])
     record.stop_step = 10
     record.started, record.ended = 100.0, 130.0
@@ -48,7 +49,7 @@ def test_identical_hashes_pass() -> None:
         ([_final(10, "aa"), _final(11, "aa")], "different steps"),
     ],
 )
-def test_mismatches_fail_loudly(finals: list[dict[str, object] | None], reason: str) -> None:
+def test_mismatches_fail_loudly(finals: list[FinalEvent | None], reason: str) -> None:
     record = _record(finals)
     v = verdict(record)
     assert v["ok"] is False and reason in v["reason"]
@@ -204,18 +205,68 @@ def test_cli_rejects_bad_options_before_starting(capsys: pytest.CaptureFixture[s
     assert "use --replicas 2 or more, or --no-failures" in capsys.readouterr().err
 
 
-def test_tail_keeps_partial_lines_and_reads_the_attempt(tmp_path: Any) -> None:
-    from ftdist.demo.supervisor import _Tail
+def test_reader_keeps_partial_lines_and_reads_the_attempt(tmp_path: Any) -> None:
+    from ftdist.demo.events import EventReader, UnknownEvent, UpEvent
 
-    tail = _Tail(str(tmp_path))
+    reader = EventReader(str(tmp_path))
     a = tmp_path / "replica1.attempt2.jsonl"
-    a.write_text('{"kind": "up", "t": 2.0}\n{"kind": "step", "t"')
-    (tmp_path / "replica0.attempt0.jsonl").write_text('{"kind": "up", "t": 1.0}\n')
-    assert tail.read() == [(0, 0, {"kind": "up", "t": 1.0}), (1, 2, {"kind": "up", "t": 2.0})]
-    assert tail.read() == []
+    a.write_text(
+        '{"kind": "up", "t": 2.0, "pid": 7, "attempt": 2, "replica_id": "r1"}\n'
+        '{"kind": "noise", "t"'
+    )
+    (tmp_path / "replica0.attempt0.jsonl").write_text(
+        '{"kind": "up", "t": 1.0, "pid": 5, "attempt": 0, "replica_id": "r0", "extra": 1}\n'
+    )
+    (tmp_path / "replica0.attemptX.jsonl").write_text('{"kind": "up", "t": 0.0}\n')
+    assert reader.read() == [
+        (0, 0, UpEvent(t=1.0, pid=5, attempt=0, replica_id="r0")),
+        (1, 2, UpEvent(t=2.0, pid=7, attempt=2, replica_id="r1")),
+    ]
+    assert reader.read() == []
     with a.open("a") as f:
-        f.write(": 3.0}\nnot json\n")
-    assert tail.read() == [(1, 2, {"kind": "step", "t": 3.0})]
+        f.write(': 3.0}\nnot json\n[1, 2]\n{"kind": "step", "t": 4.0, "step": 1}\n')
+    # The fragment completed; the rest is not an event (a step lacks its fields).
+    assert reader.read() == [(1, 2, UnknownEvent("noise", 3.0))]
+
+
+def test_events_read_as_they_were_written(tmp_path: Any) -> None:
+    from ftdist.demo.events import (
+        EventLog,
+        EventReader,
+        FinalEvent,
+        HealEvent,
+        HealStartEvent,
+        ServeEvent,
+        StepEvent,
+        UpEvent,
+        events_path,
+    )
+
+    written = [
+        UpEvent(t=1.0, pid=5, attempt=1, replica_id="r", group=0, rank=1, checkpoint="http://x"),
+        StepEvent(
+            t=2.0, step=3, ok=False, loss=0.5, quorum_id=2, participants=2, participating=True,
+            error="boom",
+        ),
+        HealStartEvent(t=3.0, step=4, src_rank=0, source="http://y"),
+        ServeEvent(t=3.5, step=4, dst=[1]),
+        HealEvent(
+            t=4.0, step=4, quorum_id=3, role="receive", peers=[0], quorum_s=0.1,
+            reconfigure_s=0.0, transfer_bytes=10, transfer_s=0.2, load_s=0.01, total_s=0.31,
+        ),
+        FinalEvent(t=5.0, step=9, hash="ab", eval_loss=0.4, accuracy=0.9),
+    ]  # fmt: skip
+    log = EventLog(events_path(str(tmp_path), 1, 1))
+    for event in written:
+        log.write(event)
+    log.close()
+    assert [line.event for line in EventReader(str(tmp_path)).read()] == written
+    lines = (tmp_path / "replica1.attempt1.jsonl").read_text().splitlines()
+    assert json.loads(lines[1])["error"] == "boom"
+    assert "what" not in json.loads(lines[-1])  # a field of the demo's writer only
+    assert json.loads(lines[-1]) == {
+        "kind": "final", "t": 5.0, "step": 9, "hash": "ab", "eval_loss": 0.4, "accuracy": 0.9,
+    }  # fmt: skip
 
 
 def test_clip_counts_visible_characters() -> None:

@@ -15,8 +15,8 @@ kind, divergence (the final hashes must match), hangs and leaked processes
 Modules: :mod:`~ftdist.chaos.schedule` (the plan and rule, pure),
 :mod:`~ftdist.chaos.netns` (namespaces and partitions),
 :mod:`~ftdist.chaos.worker` (one trainer), :mod:`~ftdist.chaos.lighthouse`
-(the restartable lighthouse), :mod:`~ftdist.chaos.supervisor` (processes
-and events), :mod:`~ftdist.chaos.faults` (carrying out injections),
+(the restartable lighthouse), :mod:`~ftdist.chaos.supervisor` (processes;
+the events through :mod:`ftdist.demo.tracking`), :mod:`~ftdist.chaos.faults` (carrying out injections),
 :mod:`~ftdist.chaos.report` and :mod:`~ftdist.chaos.run`.
 """
 

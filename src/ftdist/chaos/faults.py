@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from ftdist.chaos.lighthouse import RestartableLighthouse
     from ftdist.chaos.netns import ChaosNetwork
     from ftdist.chaos.supervisor import ChaosSupervisor
+    from ftdist.demo.tracking import State
 
 
 class Faults:
@@ -203,7 +204,7 @@ class Faults:
         self.network.heal(group)
         self._ended(group, "cut", entry, f"partition of group {group} lifted")
 
-    def _ended(self, group: int, state: str, entry: dict[str, Any], message: str) -> None:
+    def _ended(self, group: int, state: State, entry: dict[str, Any], message: str) -> None:
         """A fault on ``group`` is over: a group still in ``state`` now heals."""
         sup = self._sup
         gs = sup.groups[group]

@@ -126,8 +126,8 @@ def divergence(record: ChaosRecord) -> dict[str, Any]:
     """Whether every group rank holds the same state in every group, at one step."""
     finals = {f"group{gs.group}/rank{rs.rank}": rs.final for gs in record.groups for rs in gs.ranks}
     missing = sorted(k for k, f in finals.items() if f is None)
-    hashes = {k: f["hash"] for k, f in finals.items() if f is not None}
-    steps = {k: f["step"] for k, f in finals.items() if f is not None}
+    hashes = {k: f.hash for k, f in finals.items() if f is not None}
+    steps = {k: f.step for k, f in finals.items() if f is not None}
     out: dict[str, Any] = {"hashes": hashes, "steps": steps, "ok": False}
     ranks = {k.split("/")[1] for k in finals}
     differing = sorted(

@@ -10,13 +10,17 @@ asks :func:`ftdist.chaos.schedule.decide` what to inject and carries it out
 replica group when any of its ranks dies), watches for hangs, and ends the
 run: every trainer stops at the same committed step and reports the hash
 of its state there.
+
+The events are read and applied by :class:`~ftdist.demo.tracking.Tracker`,
+as in the demo; :class:`GroupState` and :class:`RankState` extend its
+states with what only this supervisor needs.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +29,9 @@ from ftdist.chaos.faults import Faults
 from ftdist.chaos.lighthouse import RestartableLighthouse
 from ftdist.chaos.netns import ChaosNetwork
 from ftdist.chaos.worker import STOP_KEY, ChaosWorkerConfig, rank_main
-from ftdist.demo.supervisor import Interrupt, _Tail
+from ftdist.demo.events import HealEvent, StepEvent, UpEvent
+from ftdist.demo.supervisor import Interrupt
+from ftdist.demo.tracking import GroupProgress, Tracker, TrainerState
 from ftdist.launch.ranks import Ranks
 
 POLL_S = 0.05
@@ -45,42 +51,40 @@ NOTICE_S = 0.3
 
 
 @dataclass
-class RankState:
-    """One trainer (one rank of one group) as the supervisor sees it."""
+class RankState(TrainerState):
+    """One trainer (one rank of one group) as the supervisor sees it.
+
+    Beyond what its events tell: its process (``pid``, and ``started``, the
+    kernel's start time that tells the pid from its reuse), and whether it
+    was found hung.
+    """
 
     rank: int
     pid: int | None = None
     started: str = ""
-    last_event: float = 0.0
-    back: bool = False
-    healthy: bool = False
-    healthy_at: float = 0.0
-    receiving: dict[str, float] = field(default_factory=dict)
-    final: dict[str, Any] | None = None
     hung: bool = False
 
 
 @dataclass
-class GroupState:
+class GroupState(GroupProgress):
     """One replica group.
 
-    ``state`` is ``starting``, ``training``, ``healing`` (restarted, resumed
-    or reconnected, not yet back in a full step), ``killed``, ``stopped``,
-    ``cut``, ``finished`` or ``exited`` (crashed too often).
+    ``state`` (:data:`~ftdist.demo.tracking.State`) is ``starting``,
+    ``training``, ``healing`` (restarted, resumed or reconnected, not yet
+    back in a full step), ``killed``, ``stopped``, ``cut``, ``finished`` or
+    ``exited`` (crashed too often). Beyond what the events tell: when a
+    killed group's other ranks die and it restarts, and its crashes.
     """
 
     group: int
     ranks: list[RankState]
-    attempt: int = 0
-    state: str = "starting"
-    disrupted_at: float = 0.0
     restart_at: float | None = None
     kill_rest_at: float = 0.0
-    steps_attempted: int = 0
-    steps_committed: int = 0
-    heals: int = 0
-    served: int = 0
     crashes: int = 0
+
+    def trainers(self) -> Sequence[RankState]:
+        """Its ranks."""
+        return self.ranks
 
     @property
     def healthy(self) -> bool:
@@ -155,7 +159,7 @@ class ChaosSupervisor:
         self._say_fn = on_event
         self._interrupt = interrupt
         self.restart_delay_s = restart_delay_s
-        self._tail = _Tail(cfg.events_dir)
+        self._tracker = Tracker(cfg.events_dir, self.record.groups, self)
         self._t0 = 0.0
         self._clock: float | None = None
         self._last_strike = 0.0
@@ -210,7 +214,7 @@ class ChaosSupervisor:
         finally:
             self.faults.lift_all()
             self.ranks.terminate()
-            self._absorb()
+            self._tracker.absorb()
             self.record.ended = time.time()
         return self.record
 
@@ -239,7 +243,7 @@ class ChaosSupervisor:
             time.sleep(POLL_S)
 
     def _tick(self) -> None:
-        self._absorb()
+        self._tracker.absorb()
         self.faults.maintain()
         self._maintain()
         self._watch_hangs()
@@ -329,10 +333,7 @@ class ChaosSupervisor:
 
     def disrupt(self, gs: GroupState) -> None:
         """Mark ``gs`` as disrupted now: it must step with every group again to be healthy."""
-        gs.disrupted_at = time.time()
-        for rs in gs.ranks:
-            rs.healthy = False
-            rs.back = False
+        gs.disrupt(time.time())
 
     def _maintain(self) -> None:
         assert self.ranks is not None
@@ -351,7 +352,7 @@ class ChaosSupervisor:
                 r for r, c in zip(gs.ranks, codes, strict=True) if c is not None and r.final is None
             ]
             if dead:
-                self._absorb()
+                self._tracker.absorb()
                 dead = [r for r in dead if r.final is None]
             if dead:
                 self._crashed(gs, dead[0], codes[dead[0].rank])
@@ -485,66 +486,33 @@ class ChaosSupervisor:
             if self.ranks.exitcode(self.global_rank(gs.group, rs.rank)) is None
         ]
 
-    # -- events -----------------------------------------------------------------------------
-    def _absorb(self) -> None:
-        for index, attempt, ev in self._tail.read():
-            group, rank = divmod(index, self.cfg.group_size)
-            gs = self.groups[group]
-            if attempt < gs.attempt:
-                continue  # a late line of a replaced process
-            rs = gs.ranks[rank]
-            rs.last_event = max(rs.last_event, float(ev.get("t", 0.0)))
-            kind = ev.get("kind")
-            if kind == "step":
-                self._on_step(gs, rs, ev)
-            elif kind == "heal_start":
-                rs.receiving[str(ev.get("source"))] = float(ev["t"])
-            elif kind == "heal":
-                self._on_heal(gs, rs, ev)
-            elif kind == "up":
-                self._addresses[str(ev.get("checkpoint"))] = (group, rank)
-            elif kind == "final":
-                rs.final = ev
-                if all(r.final is not None for r in gs.ranks):
-                    gs.state = "finished"
+    # -- events (the tracker's listener) ----------------------------------------------------
+    def on_up(self, group: int, rank: int, event: UpEvent) -> None:
+        """A trainer is up: where its checkpoint transport serves (heals name it)."""
+        if event.checkpoint is not None:
+            self._addresses[event.checkpoint] = (group, rank)
 
-    def _on_step(self, gs: GroupState, rs: RankState, ev: dict[str, Any]) -> None:
-        rs.receiving.clear()
-        if rs.rank == 0:
-            gs.steps_attempted += 1
-        if not ev["ok"]:
-            if rs.rank == 0:
-                self.record.failed_steps.append((float(ev["t"]), gs.group))
-            return
-        if rs.rank == 0:
-            gs.steps_committed += 1
-        t = float(ev["t"])
-        full = bool(ev["participating"]) and int(ev["participants"]) == self.cfg.groups
-        self.record.commits.setdefault(int(ev["step"]), t)
-        if ev["participating"] and t > gs.disrupted_at:
-            rs.back = True
-        if gs.state in ("starting", "healing") and all(r.back for r in gs.ranks):
-            was = gs.state
-            gs.state = "training"
-            if was == "healing":
-                self.say(f"group {gs.group} back in the quorum at step {int(ev['step']) + 1}")
-        if full and t > gs.disrupted_at and gs.state == "training":
-            if not rs.healthy:
-                rs.healthy, rs.healthy_at = True, t
-        elif not full:
-            rs.healthy = False
+    def on_step(self, group: int, rank: int, event: StepEvent) -> None:
+        """A step: the job's commits, and the group's failed attempts."""
+        if event.ok:
+            self.record.commits.setdefault(event.step, event.t)
+        elif rank == 0:
+            self.record.failed_steps.append((event.t, group))
 
-    def _on_heal(self, gs: GroupState, rs: RankState, ev: dict[str, Any]) -> None:
-        entry = {k: v for k, v in ev.items() if k != "kind"}
+    def on_back(self, group: int, event: StepEvent) -> None:
+        """A healing group is back in the quorum."""
+        self.say(f"group {group} back in the quorum at step {event.step + 1}")
+
+    def on_heal(self, group: int, rank: int, event: HealEvent) -> None:
+        """A heal received or served, for the record."""
+        entry = {k: v for k, v in event.as_dict().items() if k != "kind"}
         entry.update(
-            group=gs.group, rank=rs.rank, attempt=gs.attempt, t_s=round(ev["t"] - self._t0, 3)
+            group=group,
+            rank=rank,
+            attempt=self.groups[group].attempt,
+            t_s=round(event.t - self._t0, 3),
         )
         self.record.heals.append(entry)
-        if ev["role"] == "receive":
-            if rs.rank == 0:
-                gs.heals += 1
-        elif rs.rank == 0:
-            gs.served += 1
 
 
 __all__ = ["ChaosRecord", "ChaosSupervisor", "GroupState", "RankState", "proc_start_time"]

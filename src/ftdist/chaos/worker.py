@@ -22,9 +22,9 @@ What it adds to the demo's worker:
   naming the source's address), which is how the supervisor sees a heal
   in progress.
 
-Events (JSON lines, flushed per line) go to the events file of its global
-rank and attempt, as in the demo: ``up``, ``step``, ``heal_start``,
-``heal``, ``final``.
+Events (:mod:`ftdist.demo.events`: JSON lines, flushed per line) go to
+the events file of its global rank and attempt, as in the demo: ``up``,
+``step``, ``heal_start``, ``serve``, ``heal``, ``final``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -45,15 +44,21 @@ from torch import nn
 from ftdist.chaos import schedule
 from ftdist.checkpointing import CheckpointTransport
 from ftdist.demo import task
+from ftdist.demo.events import (
+    EventLog,
+    FinalEvent,
+    HealStartEvent,
+    ServeEvent,
+    UpEvent,
+    events_path,
+)
 from ftdist.demo.worker import (
     DONE_KEY,
     STOP_KEY,
     UP_KEY,
-    EventLog,
     _Batches,
     _leave_together,
     _output_to,
-    events_path,
     train_ddp,
 )
 from ftdist.launch.ranks import RankContext
@@ -115,22 +120,6 @@ class ChaosWorkerConfig:
         return self.groups * self.group_size
 
 
-class _Log:
-    """The events file, written by the training and the quorum threads."""
-
-    def __init__(self, path: str) -> None:
-        self._log = EventLog(path)
-        self._lock = threading.Lock()
-
-    def emit(self, kind: str, **fields: Any) -> None:
-        with self._lock:
-            self._log.emit(kind, **fields)
-
-    def close(self) -> None:
-        with self._lock:
-            self._log.close()
-
-
 class ObservedTransport(CheckpointTransport[Any]):
     """A checkpoint transport that logs each heal as it starts.
 
@@ -140,7 +129,7 @@ class ObservedTransport(CheckpointTransport[Any]):
     inner transport's (the heal timelines read it).
     """
 
-    def __init__(self, inner: Any, log: _Log) -> None:
+    def __init__(self, inner: Any, log: EventLog) -> None:
         self._inner = inner
         self._log = log
 
@@ -156,7 +145,7 @@ class ObservedTransport(CheckpointTransport[Any]):
         Raises:
             CheckpointError: the inner transport's.
         """
-        self._log.emit("serve", step=step, dst=list(dst_ranks))
+        self._log.write(ServeEvent(step=step, dst=list(dst_ranks)))
         try:
             self._inner.send_checkpoint(dst_ranks, step, state_dict, timeout)
         finally:
@@ -173,7 +162,7 @@ class ObservedTransport(CheckpointTransport[Any]):
             CheckpointError: the inner transport's.
             TimeoutError: the inner transport's.
         """
-        self._log.emit("heal_start", step=step, src_rank=src_rank, source=metadata)
+        self._log.write(HealStartEvent(step=step, src_rank=src_rank, source=metadata))
         try:
             return self._inner.recv_checkpoint(src_rank, metadata, step, timeout)
         finally:
@@ -230,7 +219,8 @@ def rank_main(ctx: RankContext, cfg: ChaosWorkerConfig, attempt: int) -> None:
     path = events_path(cfg.events_dir, ctx.rank, attempt)
     _output_to(path[: -len(".jsonl")] + ".log")
     torch.set_num_threads(1)
-    log = _Log(path)
+    # Written by the training and the quorum threads (the transport's events).
+    log = EventLog(path)
     tcp = dist.TCPStore(
         cfg.control_host,
         ctx.store_port,
@@ -279,14 +269,15 @@ def rank_main(ctx: RankContext, cfg: ChaosWorkerConfig, attempt: int) -> None:
         connect_timeout=timedelta(seconds=cfg.connect_timeout_s),
         checkpoint_transport=transport,
     )
-    log.emit(
-        "up",
-        pid=os.getpid(),
-        attempt=attempt,
-        group=group,
-        rank=rank,
-        checkpoint=transport.metadata(),
-        replica_id=manager.replica_id(),
+    log.write(
+        UpEvent(
+            pid=os.getpid(),
+            attempt=attempt,
+            group=group,
+            rank=rank,
+            checkpoint=transport.metadata(),
+            replica_id=manager.replica_id(),
+        )
     )
     if attempt == 0:
         # Start together: the first quorum then holds every group.
@@ -297,12 +288,13 @@ def rank_main(ctx: RankContext, cfg: ChaosWorkerConfig, attempt: int) -> None:
     try:
         train_ddp(manager, model, optim, batches, control, log, cfg.step_interval_s)
         eval_loss, accuracy = task.evaluate(model, held_out)
-        log.emit(
-            "final",
-            step=manager.current_step(),
-            hash=final_hash(model, optim, ballast),
-            eval_loss=eval_loss,
-            accuracy=accuracy,
+        log.write(
+            FinalEvent(
+                step=manager.current_step(),
+                hash=final_hash(model, optim, ballast),
+                eval_loss=eval_loss,
+                accuracy=accuracy,
+            )
         )
         _leave_together(manager, control, cfg.world_size)
     finally:

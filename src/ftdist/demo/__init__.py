@@ -11,10 +11,13 @@ failure-detection window, a live terminal view, and a report whose verdict
 is whether every replica ended with bit-identical weights.
 
 Modules: :mod:`~ftdist.demo.task` (data and model), :mod:`~ftdist.demo.worker`
-(one replica group), :mod:`~ftdist.demo.schedule` (the failure plan and
-rule), :mod:`~ftdist.demo.supervisor` (processes and failures),
-:mod:`~ftdist.demo.view`, :mod:`~ftdist.demo.report`,
-:mod:`~ftdist.demo.plot` and :mod:`~ftdist.demo.run` (``ftdist demo``).
+(one replica group), :mod:`~ftdist.demo.events` (the events files),
+:mod:`~ftdist.demo.schedule` (the failure plan and rule),
+:mod:`~ftdist.demo.supervisor` (processes and failures),
+:mod:`~ftdist.demo.tracking` (what the events tell; the chaos suite's
+supervisor uses it too), :mod:`~ftdist.demo.view`,
+:mod:`~ftdist.demo.report`, :mod:`~ftdist.demo.plot` and
+:mod:`~ftdist.demo.run` (``ftdist demo``).
 """
 
 from ftdist.demo.run import DemoConfig, run_demo

@@ -54,8 +54,8 @@ def verdict(record: RunRecord) -> dict[str, Any]:
         ``{"ok": bool, "reason": str, "step": int | None, "hashes": {replica: hash}}``.
     """
     finals = {f"replica{rs.replica}": rs.final for rs in record.replicas}
-    hashes = {name: f["hash"] for name, f in finals.items() if f is not None}
-    steps = {name: f["step"] for name, f in finals.items() if f is not None}
+    hashes = {name: f.hash for name, f in finals.items() if f is not None}
+    steps = {name: f.step for name, f in finals.items() if f is not None}
     missing = sorted(name for name, f in finals.items() if f is None)
     out: dict[str, Any] = {"ok": False, "hashes": hashes, "steps": steps, "step": record.stop_step}
     if missing:
@@ -73,11 +73,11 @@ def verdict(record: RunRecord) -> dict[str, Any]:
             + ", ".join(f"{k} {v[:12]}" for k, v in hashes.items())
         )
     else:
-        what = next(iter(finals.values()), None) or {}
+        first = next(iter(finals.values()), None)
+        what = (first.what if first is not None else None) or "weights and optimizer state"
         out["ok"] = True
         out["reason"] = (
-            f"all {len(hashes)} replica groups hold bit-identical "
-            f"{what.get('what', 'weights and optimizer state')} at step "
+            f"all {len(hashes)} replica groups hold bit-identical {what} at step "
             f"{next(iter(steps.values()))}"
         )
     return out
@@ -111,7 +111,7 @@ def run_summary(record: RunRecord) -> dict[str, Any]:
                 "served": rs.served,
                 "steps_attempted": rs.steps_attempted,
                 "steps_committed": rs.steps_committed,
-                "final": rs.final,
+                "final": rs.final.as_dict() if rs.final is not None else None,
             }
             for rs in record.replicas
         ],
@@ -123,8 +123,8 @@ def run_summary(record: RunRecord) -> dict[str, Any]:
         "loss": {
             "first": _mean_loss(curve, slice(10)),
             "last": _mean_loss(curve, slice(-LOSS_WINDOW, None)),
-            "eval_loss": finals[0]["eval_loss"] if finals else None,
-            "eval_accuracy": finals[0]["accuracy"] if finals else None,
+            "eval_loss": finals[0].eval_loss if finals else None,
+            "eval_accuracy": finals[0].accuracy if finals else None,
         },
         "curve": curve,
         "verdict": verdict(record),

@@ -12,20 +12,24 @@ committed step and reports the hash of its state there.
 A kill is restarted after ``restart_delay_s``; a SIGSTOP is held for its
 ``hold_s``, then continued, and the hung replica finds itself dropped from
 the quorum and heals like a restarted one.
+
+The events are read and applied by :class:`~ftdist.demo.tracking.Tracker`
+(shared with the chaos suite); a replica group of the demo is one trainer,
+so :class:`ReplicaState` is both the group and its trainer.
 """
 
 from __future__ import annotations
 
-import glob
-import json
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ftdist.demo import schedule
+from ftdist.demo.events import HealEvent, StepEvent, UpEvent
+from ftdist.demo.tracking import GroupProgress, Tracker, TrainerState
 from ftdist.demo.worker import STOP_KEY, WorkerConfig, replica_main
 from ftdist.launch.ranks import Ranks
 
@@ -44,33 +48,31 @@ START_LIMIT_S = 60.0
 
 
 @dataclass
-class ReplicaState:
-    """What the supervisor knows about one replica group.
+class ReplicaState(GroupProgress, TrainerState):
+    """What the supervisor knows about one replica group (and its one trainer).
 
-    ``state`` is one of ``starting`` (process up, no step yet), ``training``,
-    ``healing`` (restarted or resumed, not yet back in a full quorum step),
-    ``killed``, ``stopped`` (SIGSTOPped), ``finished``, ``exited``
-    (ended without a final report).
+    ``state`` (:data:`~ftdist.demo.tracking.State`) is one of ``starting``
+    (process up, no step yet), ``training``, ``healing`` (restarted or
+    resumed, not yet back in a quorum step), ``killed``, ``stopped``
+    (SIGSTOPped), ``finished``, ``exited`` (ended without a final report).
+    ``healthy``: it committed a step with every group since its last
+    disruption. What the events tell beyond the shared bookkeeping (the
+    table's step, quorum, participants and loss) is kept here.
     """
 
     replica: int
-    attempt: int = 0
     pid: int | None = None
-    state: str = "starting"
     step: int = 0
     quorum_id: int = -1
     participants: int = 0
     loss: float | None = None
     failures: int = 0
-    heals: int = 0
-    served: int = 0
-    steps_attempted: int = 0
-    steps_committed: int = 0
-    disrupted_at: float = 0.0
-    healthy: bool = False
     restart_at: float | None = None
     resume_at: float | None = None
-    final: dict[str, Any] | None = None
+
+    def trainers(self) -> Sequence[TrainerState]:
+        """Its one trainer: itself."""
+        return (self,)
 
 
 @dataclass
@@ -100,41 +102,6 @@ def _why_not(rs: ReplicaState) -> str:
     if rs.state in ("training", "starting"):
         return "not yet in a step with every group"
     return rs.state
-
-
-class _Tail:
-    """Follows the events files of a run, yielding complete new lines."""
-
-    def __init__(self, events_dir: str) -> None:
-        self._dir = events_dir
-        self._offsets: dict[str, int] = {}
-        self._partial: dict[str, str] = {}
-
-    def read(self) -> list[tuple[int, int, dict[str, Any]]]:
-        """New complete events: ``(replica, attempt, event)`` in time order."""
-        out: list[tuple[int, int, dict[str, Any]]] = []
-        for path in sorted(glob.glob(os.path.join(self._dir, "replica*.jsonl"))):
-            # replica<R>.attempt<A>.jsonl
-            name = os.path.basename(path).split(".")
-            replica, attempt = int(name[0][len("replica") :]), int(name[1][len("attempt") :])
-            with open(path, encoding="utf-8") as f:
-                f.seek(self._offsets.get(path, 0))
-                chunk = f.read()
-                self._offsets[path] = f.tell()
-            text = self._partial.pop(path, "") + chunk
-            lines = text.split("\n")
-            if lines[-1]:
-                # A writer killed mid-line leaves a fragment; keep it until
-                # (if ever) the line completes.
-                self._partial[path] = lines[-1]
-            for line in lines[:-1]:
-                if line.strip():
-                    try:
-                        out.append((replica, attempt, json.loads(line)))
-                    except json.JSONDecodeError:
-                        continue
-        out.sort(key=lambda item: float(item[2].get("t", 0.0)))
-        return out
 
 
 class Interrupt:
@@ -190,7 +157,7 @@ class Supervisor:
         self._on_tick = on_tick
         self._interrupt = interrupt
         self._restart_delay_s = restart_delay_s
-        self._tail = _Tail(cfg.events_dir)
+        self._tracker = Tracker(cfg.events_dir, self.record.replicas, self)
         self._t0 = 0.0
         self._last_tick = 0.0
         self._last_reason = ""
@@ -251,7 +218,7 @@ class Supervisor:
             self._finish()
         finally:
             ranks.terminate()
-            self._absorb()
+            self._tracker.absorb()
             self.record.ended = time.time()
             self.phase = "done"
             self._tick(force=True)
@@ -263,7 +230,7 @@ class Supervisor:
                 self.record.interrupted = True
                 self._say("Ctrl-C: ending the run (press again to stop at once)")
                 return
-            self._absorb()
+            self._tracker.absorb()
             now = self.elapsed()
             self._start_clock(now)
             if self.duration_s is not None and self.train_elapsed() >= self.duration_s:
@@ -331,7 +298,7 @@ class Supervisor:
         if self._interrupt.count and not self.record.interrupted:
             self.record.interrupted = True
             self._say("Ctrl-C: the run is already ending (press again to stop at once)")
-        self._absorb()
+        self._tracker.absorb()
         self._maintain(self.elapsed())
         self._tick()
         time.sleep(POLL_S)
@@ -403,8 +370,7 @@ class Supervisor:
         }
         self.record.injections.append(entry)
         rs.failures += 1
-        rs.healthy = False
-        rs.disrupted_at = time.time()
+        rs.disrupt(time.time())
         if injection.kind == schedule.STOP:
             self._ranks.signal(rs.replica, signal.SIGSTOP)
             rs.state = "stopped"
@@ -424,7 +390,7 @@ class Supervisor:
         self._ranks.signal(rs.replica, signal.SIGCONT)
         rs.state = "healing"
         rs.resume_at = None
-        rs.disrupted_at = time.time()
+        rs.disrupt(time.time())
         self._say(
             f"SIGCONT replica{rs.replica} (pid {rs.pid}): it must notice it was dropped and heal"
         )
@@ -446,7 +412,7 @@ class Supervisor:
             elif code is not None and rs.state not in ("killed", "finished", "exited"):
                 # It may have written its final report and left since the
                 # last read of the events.
-                self._absorb()
+                self._tracker.absorb()
                 if rs.final is not None:
                     rs.state = "finished"
                     continue
@@ -468,8 +434,7 @@ class Supervisor:
         )
         last = (error or "").strip().splitlines()[-1:] or [f"exit code {code}"]
         self._say(f"replica{rs.replica} died on its own: {last[0]}")
-        rs.disrupted_at = time.time()
-        rs.healthy = False
+        rs.disrupt(time.time())
         crashes = sum(1 for e in self.record.unexpected_exits if e["replica"] == rs.replica)
         if crashes >= MAX_CRASHES or (
             self.phase == "finishing" and self.record.stop_step is not None
@@ -487,102 +452,73 @@ class Supervisor:
         rs.pid = self._ranks.pids[rs.replica]
         rs.state = "healing"
         rs.restart_at = None
-        rs.disrupted_at = time.time()
+        rs.disrupt(time.time())
         self._say(f"restarted replica{rs.replica} (pid {rs.pid}, attempt {rs.attempt})")
 
-    # -- events -----------------------------------------------------------------------------
-    def _absorb(self) -> None:
-        for replica, attempt, ev in self._tail.read():
-            rs = self.replicas[replica]
-            kind = ev.get("kind")
-            if attempt < rs.attempt:
-                # A late line of a process already replaced: its steps and
-                # heals are history, and must not mark the new one healthy.
-                continue
-            if kind == "step":
-                self._on_step(rs, ev)
-            elif kind == "heal":
-                self._on_heal(rs, ev)
-            elif kind == "final":
-                rs.final = ev
-                rs.state = "finished"
-            elif kind == "up" and rs.state == "starting":
-                rs.pid = ev.get("pid", rs.pid)
+    # -- events (the tracker's listener) ----------------------------------------------------
+    def on_up(self, group: int, rank: int, event: UpEvent) -> None:
+        """A replica's process is up: its pid, as it tells it."""
+        rs = self.replicas[group]
+        if rs.state == "starting":
+            rs.pid = event.pid
 
-    def _on_step(self, rs: ReplicaState, ev: dict[str, Any]) -> None:
-        rs.steps_attempted += 1
-        rs.quorum_id = int(ev["quorum_id"])
-        rs.participants = int(ev["participants"])
-        if not ev["ok"]:
+    def on_step(self, group: int, rank: int, event: StepEvent) -> None:
+        """A step of a replica: its row in the table, the step's record, the injections'."""
+        rs = self.replicas[group]
+        rs.quorum_id, rs.participants = event.quorum_id, event.participants
+        t_s = round(event.t - self._t0, 3)
+        if not event.ok:
             self.record.failed_steps.append(
-                {
-                    "replica": rs.replica,
-                    "step": ev["step"],
-                    "t_s": round(ev["t"] - self._t0, 3),
-                    "error": ev.get("error"),
-                }
+                {"replica": rs.replica, "step": event.step, "t_s": t_s, "error": event.error}
             )
             return
-        rs.steps_committed += 1
-        rs.step = int(ev["step"]) + 1
-        rs.loss = float(ev["loss"])
-        if rs.state in ("starting", "healing") and ev["participating"]:
-            was_healing = rs.state == "healing"
-            rs.state = "training"
-            if was_healing:
-                back = ev["t"] - rs.disrupted_at
-                for inj in reversed(self.record.injections):
-                    if inj["replica"] == rs.replica and inj["back_s"] is None:
-                        inj["back_s"] = round(ev["t"] - self._t0 - inj["t_s"], 3)
-                        break
-                self._say(
-                    f"replica{rs.replica} back in the quorum at step {rs.step} "
-                    f"({back:.2f} s after its restart or resume)"
-                )
-        if (
-            ev["participating"]
-            and rs.participants == self.cfg.replicas
-            and ev["t"] > rs.disrupted_at
-            and rs.state == "training"
-        ):
-            rs.healthy = True
-        elif rs.participants < self.cfg.replicas:
-            rs.healthy = False
+        rs.step, rs.loss = event.step + 1, event.loss
         if rs.participants < self.cfg.replicas:
             for inj in reversed(self.record.injections):
                 if (
                     inj["replica"] != rs.replica
                     and inj["survivors_s"] is None
-                    and ev["t"] - self._t0 > inj["t_s"]
+                    and event.t - self._t0 > inj["t_s"]
                 ):
                     # The first step the others commit without the victim:
                     # detection, reconfigure and one step.
-                    inj["survivors_s"] = round(ev["t"] - self._t0 - inj["t_s"], 3)
+                    inj["survivors_s"] = round(event.t - self._t0 - inj["t_s"], 3)
                 break
         step = self.record.steps.setdefault(
-            int(ev["step"]), {"t_s": round(ev["t"] - self._t0, 3), "losses": {}, "participants": 0}
+            event.step, {"t_s": t_s, "losses": {}, "participants": 0}
         )
-        if ev["participating"]:
+        if event.participating:
             step["losses"][rs.replica] = rs.loss
         step["participants"] = max(step["participants"], rs.participants)
-        self._rate.append((ev["t"], rs.step))
+        self._rate.append((event.t, rs.step))
         if len(self._rate) > 50:
             del self._rate[0]
 
-    def _on_heal(self, rs: ReplicaState, ev: dict[str, Any]) -> None:
-        entry = {k: v for k, v in ev.items() if k not in ("kind", "t")}
-        entry.update(replica=rs.replica, attempt=rs.attempt, t_s=round(ev["t"] - self._t0, 3))
+    def on_back(self, group: int, event: StepEvent) -> None:
+        """A restarted or resumed replica is back in the quorum: how long it took."""
+        rs = self.replicas[group]
+        for inj in reversed(self.record.injections):
+            if inj["replica"] == rs.replica and inj["back_s"] is None:
+                inj["back_s"] = round(event.t - self._t0 - inj["t_s"], 3)
+                break
+        self._say(
+            f"replica{rs.replica} back in the quorum at step {event.step + 1} "
+            f"({event.t - rs.disrupted_at:.2f} s after its restart or resume)"
+        )
+
+    def on_heal(self, group: int, rank: int, event: HealEvent) -> None:
+        """A heal received or served: the record, and a line for a received one."""
+        rs = self.replicas[group]
+        entry = {k: v for k, v in event.as_dict().items() if k not in ("kind", "t")}
+        entry.update(replica=rs.replica, attempt=rs.attempt, t_s=round(event.t - self._t0, 3))
         self.record.heals.append(entry)
-        if ev["role"] == "receive":
-            rs.heals += 1
+        if event.role == "receive":
             self._say(
-                f"replica{rs.replica} healed to step {ev['step']} from replica rank(s) "
-                f"{ev['peers']}: quorum {ev['quorum_s'] * 1e3:.0f} ms, reconfigure "
-                f"{ev['reconfigure_s'] * 1e3:.0f} ms, {ev['transfer_bytes'] / 1e6:.2f} MB "
-                f"in {ev['transfer_s'] * 1e3:.0f} ms, load {ev['load_s'] * 1e3:.0f} ms"
+                f"replica{rs.replica} healed to step {event.step} from replica rank(s) "
+                f"{event.peers}: quorum {event.quorum_s * 1e3:.0f} ms, reconfigure "
+                f"{event.reconfigure_s * 1e3:.0f} ms, {event.transfer_bytes / 1e6:.2f} MB "
+                f"in {event.transfer_s * 1e3:.0f} ms, load {event.load_s * 1e3:.0f} ms"
             )
-        else:
-            rs.served += 1
 
     def _tick(self, force: bool = False) -> None:
         now = time.monotonic()

@@ -9,15 +9,15 @@ under a :class:`~ftdist.manager.Manager`, exactly as a user's training
 script would.
 
 It talks to the supervisor through two channels that survive its own
-SIGKILL: it appends JSON lines (``up``, ``step``, ``heal``, ``final``) to its
-own events file, flushed per line, and it reads ``stop_step`` from the run's
-TCPStore. Every replica stops at that same committed step and reports the
-SHA-256 of its weights and optimizer state there.
+SIGKILL: it appends events (``up``, ``step``, ``heal``, ``final``;
+:mod:`ftdist.demo.events`) to its own events file, a flushed JSON line
+each, and it reads ``stop_step`` from the run's TCPStore. Every replica
+stops at that same committed step and reports the SHA-256 of its weights
+and optimizer state there.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -25,13 +25,14 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import IO, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ftdist.demo import task
+from ftdist.demo.events import EventLog, FinalEvent, HealEvent, StepEvent, UpEvent, events_path
 from ftdist.launch.ranks import RankContext
 
 STOP_KEY = "stop_step"
@@ -81,34 +82,6 @@ class WorkerConfig:
     timeout_s: float = 5.0
     algorithm: str = "ddp"
     sync_every: int = 10
-
-
-class EventLog:
-    """Append-only JSON lines, one flushed write per event.
-
-    Raises:
-        OSError: the file cannot be opened.
-    """
-
-    def __init__(self, path: str) -> None:
-        self._file: IO[str] = open(path, "a", buffering=1)
-
-    def emit(self, kind: str, **fields: Any) -> None:
-        """Write one event with its wall time.
-
-        Raises:
-            OSError: the events file cannot be written.
-        """
-        self._file.write(json.dumps({"kind": kind, "t": time.time(), **fields}) + "\n")
-
-    def close(self) -> None:
-        """Close the file."""
-        self._file.close()
-
-
-def events_path(events_dir: str, replica: int, attempt: int) -> str:
-    """The events file of one process (one attempt) of one replica group."""
-    return os.path.join(events_dir, f"replica{replica}.attempt{attempt}.jsonl")
 
 
 def _output_to(path: str) -> None:
@@ -253,7 +226,7 @@ def replica_main(ctx: RankContext, cfg: WorkerConfig, attempt: int) -> None:
         # DiLoCo needs a heal applied before it takes its pseudo-gradients.
         use_async_quorum=cfg.algorithm != "diloco",
     )
-    log.emit("up", pid=os.getpid(), attempt=attempt, replica_id=manager.replica_id())
+    log.write(UpEvent(pid=os.getpid(), attempt=attempt, replica_id=manager.replica_id()))
     if attempt == 0:
         # Start together, as a job does: the first quorum then holds every
         # replica group instead of whichever process the machine ran first.
@@ -268,13 +241,14 @@ def replica_main(ctx: RankContext, cfg: WorkerConfig, attempt: int) -> None:
             train_ddp(manager, model, optim, batches, control, log, cfg.step_interval_s)
             digest, what = task.state_hash(model, optim), "weights and optimizer state"
         eval_loss, accuracy = task.evaluate(model, held_out)
-        log.emit(
-            "final",
-            step=manager.current_step(),
-            hash=digest,
-            what=what,
-            eval_loss=eval_loss,
-            accuracy=accuracy,
+        log.write(
+            FinalEvent(
+                step=manager.current_step(),
+                hash=digest,
+                what=what,
+                eval_loss=eval_loss,
+                accuracy=accuracy,
+            )
         )
         _leave_together(manager, control, cfg.replicas)
     finally:
@@ -285,24 +259,25 @@ def replica_main(ctx: RankContext, cfg: WorkerConfig, attempt: int) -> None:
 
 
 def _emit_step(
-    log: Any, manager: Any, step: int, committed: bool, loss: float, timelines: list[Any]
+    log: EventLog, manager: Any, step: int, committed: bool, loss: float, timelines: list[Any]
 ) -> None:
     error = manager.errored()
-    log.emit(
-        "step",
-        step=step,
-        ok=committed,
-        loss=loss,
-        quorum_id=manager.quorum_id(),
-        participants=manager.num_participants(),
-        participating=manager.is_participating(),
-        error=str(error).splitlines()[0] if error and not committed else None,
+    log.write(
+        StepEvent(
+            step=step,
+            ok=committed,
+            loss=loss,
+            quorum_id=manager.quorum_id(),
+            participants=manager.num_participants(),
+            participating=manager.is_participating(),
+            error=str(error).splitlines()[0] if error and not committed else None,
+        )
     )
     for timeline in timelines:
-        log.emit("heal", **timeline.as_dict())
+        log.write(HealEvent(**timeline.as_dict()))
 
 
-def log_step(log: Any, manager: Any, step: int, loss: torch.Tensor, heals_seen: int) -> int:
+def log_step(log: EventLog, manager: Any, step: int, loss: torch.Tensor, heals_seen: int) -> int:
     """Log a finished step (and the heals since ``heals_seen``) as events.
 
     Returns:
@@ -325,7 +300,7 @@ def train_ddp(
     optim: torch.optim.Optimizer,
     batches: _Batches,
     control: Any,
-    log: Any,
+    log: EventLog,
     step_interval_s: float,
 ) -> None:
     """Train with one allreduce of the gradients per step until the stop step.
