@@ -115,7 +115,13 @@ def test_live_group_left_out_of_quorums_heals_forward_and_ends_identical(
     # asks again, both of its ranks heal forward to the same step and every
     # group rank ends bit-identical. min_replicas=2 of 3: any two quorums
     # share a member, so no second lineage can start.
-    server = lh.server(min_replicas=2, join_timeout_ms=200, heartbeat_timeout_ms=5_000)
+    # The join timeout is what lets the others go on without the paused
+    # group (once; later quorums of the same members are fast). It must not
+    # be so short that a group merely slow on a loaded machine is left out
+    # of the last step: the others then finish and leave, and with
+    # min_replicas=2 it can never commit its last step (seen under a soak
+    # with a 200 ms join timeout).
+    server = lh.server(min_replicas=2, join_timeout_ms=2_000, heartbeat_timeout_ms=5_000)
     steps = 20
     # The others wait at step 10 too, so that they cannot finish (and stop
     # forming quorums) before replica 2 is back.
