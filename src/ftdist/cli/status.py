@@ -39,12 +39,12 @@ from ftdist._auth import job_token, tls_files
 from ftdist._rpc import common as _rpc
 from ftdist.errors import CoordinationTimeoutError, FtdistError
 from ftdist.lighthouse.client import LighthouseClient
+from ftdist.lighthouse.config import lighthouse_address
 
 __all__ = ["main", "register", "render", "run"]
 
 _PROG = "ftdist status"
 _DEFAULT_TIMEOUT_S = 5.0
-_ENV_ADDRESS = ("FTDIST_LIGHTHOUSE", "TORCHFT_LIGHTHOUSE")
 _DESCRIPTION = (
     "Print a lighthouse's current quorum: quorum id and age, each member's step, world "
     "size, heartbeat age and manager address, why the next quorum is or is not ready, "
@@ -158,9 +158,7 @@ def run(args: argparse.Namespace) -> int:
 
     Errors are reported on stderr, one line each, and in the exit status.
     """
-    addr = args.addr or next(
-        (os.environ[name] for name in _ENV_ADDRESS if os.environ.get(name)), None
-    )
+    addr = args.addr or lighthouse_address()
     if not addr:
         _error(
             "no lighthouse address: pass ADDR (host:port or http://host:port) "

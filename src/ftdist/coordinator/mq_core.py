@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import socket as _socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +27,7 @@ from typing import Any
 
 import zmq
 
+from ftdist.coordinator import config
 from ftdist.errors import CollectiveTimeoutError, CommunicationError
 
 logger = logging.getLogger("ftdist.coordinator.message_queue")
@@ -44,7 +44,6 @@ SPIN_S = 0.002
 WARN_INTERVAL_S = 60.0
 DEFAULT_READY_TIMEOUT_S = 60.0
 # Environment variable: the address remote readers reach this host's writer at.
-HOST_IP_ENV = "FTDIST_HOST_IP"
 
 _READY = b"READY"
 _TOPIC_MARK = b"\xff"
@@ -120,13 +119,7 @@ def default_ip() -> str:
 
     ``$FTDIST_HOST_IP`` if set, else what the host name resolves to.
     """
-    ip = os.environ.get(HOST_IP_ENV)
-    if ip:
-        return ip
-    try:
-        return _socket.gethostbyname(_socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
+    return config.host_ip()
 
 
 def _serialize(obj: Any) -> list[Any]:

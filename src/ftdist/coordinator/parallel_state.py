@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Iterator
 from dataclasses import replace
 from datetime import timedelta
@@ -40,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ftdist.coordinator import config
 from ftdist.coordinator.group import GraphCaptureContext, GroupCoordinator
 from ftdist.coordinator.groups import FT_DEVICE_BACKENDS, FtBackend, own_group
 
@@ -294,7 +294,7 @@ def init_distributed_environment(
         )
     if local_rank == -1:
         if distributed_init_method == "env://":
-            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            local_rank = config.local_rank()
         else:
             local_rank = dist.get_rank()
     if _WORLD is None:

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from ftdist._durations import as_timedelta
+from ftdist.lighthouse.config import lighthouse_address
 
 #: omegaconf's "missing" sentinel: a field the caller did not set.
 MISSING: Any = "???"
@@ -30,7 +32,6 @@ MISSING: Any = "???"
 DEFAULT_PORT = 29500
 LAUNCH_METHODS = ("forkserver", "spawn", "fork")
 # Environment variables a lighthouse address is read from, in order.
-LIGHTHOUSE_ENV = ("FTDIST_LIGHTHOUSE", "TORCHFT_LIGHTHOUSE")
 
 
 def is_missing(config: Any, key: str) -> bool:
@@ -252,13 +253,13 @@ class FaultTolerance:
 
     def lighthouse_address(self) -> str | None:
         """The lighthouse to join: the field, then the environment; None embeds one."""
-        if self.lighthouse:
-            return self.lighthouse
-        for name in LIGHTHOUSE_ENV:
-            value = os.environ.get(name)
-            if value:
-                return value
-        return None
+        return self.lighthouse or lighthouse_address()
+
+
+def stacks_dir(environ: Mapping[str, str] | None = None) -> str:
+    """``FTDIST_STACKS_DIR``: where ranks write their stacks on SIGUSR1 ("" when unset)."""
+    env = os.environ if environ is None else environ
+    return env.get("FTDIST_STACKS_DIR", "")
 
 
 __all__ = [
@@ -269,5 +270,6 @@ __all__ = [
     "MultiprocessConfig",
     "get_unused_port",
     "is_missing",
+    "stacks_dir",
     "validate",
 ]

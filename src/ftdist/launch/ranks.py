@@ -52,6 +52,7 @@ from typing import Any
 
 from ftdist._forkserver import exit_with_parent as _exit_with
 from ftdist._forkserver import forkserver_context as _context
+from ftdist.launch import config as launch_config
 from ftdist.launch import stacks as _stacks
 
 _BARRIER_STORES: dict[tuple[int, str], Any] = {}
@@ -276,7 +277,7 @@ class Ranks:
             timeout=timedelta(seconds=60),
         )
         self._prefix = f"test/{uuid.uuid4().hex[:12]}"
-        self._stacks_dir = os.environ.get(_stacks.STACKS_ENV, "")
+        self._stacks_dir = launch_config.stacks_dir()
         if not self._stacks_dir or not os.path.isdir(self._stacks_dir):
             self._stacks_dir = tempfile.mkdtemp(prefix="ftdist-ranks-")
             weakref.finalize(self, shutil.rmtree, self._stacks_dir, True)

@@ -40,11 +40,23 @@ from datetime import timedelta
 
 from ftdist._auth import job_token, tls_files
 
+
+def lighthouse_address(environ: Mapping[str, str] | None = None) -> str | None:
+    """Where trainers find the lighthouse: ``FTDIST_LIGHTHOUSE``, then torchft's
+    ``TORCHFT_LIGHTHOUSE`` (``http://host:port`` or ``host:port``); None when neither is set.
+
+    The Manager, ``ftdist run`` and ``ftdist status`` all read it here.
+    """
+    env = os.environ if environ is None else environ
+    return env.get("FTDIST_LIGHTHOUSE") or env.get("TORCHFT_LIGHTHOUSE") or None
+
+
 __all__ = [
     "API_DEFAULTS",
     "CLI_DEFAULTS",
     "ENV_VARS",
     "LighthouseConfig",
+    "lighthouse_address",
     "resolve_lighthouse_config",
 ]
 

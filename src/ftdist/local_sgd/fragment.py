@@ -37,15 +37,14 @@ weights still while a peer downloads them (see :mod:`ftdist.local_sgd.diloco`).
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn, optim
 
+from ftdist.local_sgd import config
 from ftdist.local_sgd.local_sgd import (
-    USE_BUCKETIZATION_ENV,
     assign_local,
     bind_state,
     like_param,
@@ -57,15 +56,11 @@ __all__ = ["FRAGMENT_KEY", "_StreamingDiLoCoFragment", "bucketization_enabled", 
 FRAGMENT_KEY = "StreamingDiLoCoFragment_{}"
 
 
-def bucketization_enabled(argument: bool, env: dict[str, str] | None = None) -> bool:
+def bucketization_enabled(argument: bool, env: Mapping[str, str] | None = None) -> bool:
     """Whether to bucketize: ``FTDIST_USE_BUCKETIZATION`` or torchft's
     ``TORCHFT_USE_BUCKETIZATION`` set to ``True`` forces it (torchft's rule),
     else the argument."""
-    env = dict(os.environ) if env is None else env
-    for name in ("FTDIST_USE_BUCKETIZATION", USE_BUCKETIZATION_ENV):
-        if env.get(name) == "True":
-            return True
-    return bool(argument)
+    return config.bucketization_forced(env) or bool(argument)
 
 
 def plan_buckets(tensors: Sequence[tuple[int, object]], cap_bytes: int) -> list[list[int]]:

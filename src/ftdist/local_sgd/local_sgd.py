@@ -46,6 +46,7 @@ from torch import nn, optim
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
+from ftdist.local_sgd.config import USE_BUCKETIZATION_ENV
 from ftdist.manager.heal import fingerprint
 
 __all__ = ["USE_BUCKETIZATION_ENV", "LocalSGD", "bind_state", "extract_local_tensor"]
@@ -53,7 +54,6 @@ __all__ = ["USE_BUCKETIZATION_ENV", "LocalSGD", "bind_state", "extract_local_ten
 logger = logging.getLogger(__name__)
 
 # torchft's name; ftdist's FTDIST_USE_BUCKETIZATION is read first.
-USE_BUCKETIZATION_ENV = "TORCHFT_USE_BUCKETIZATION"
 LOCAL_SGD_KEY = "LocalSGD"
 
 

@@ -14,7 +14,6 @@ torchft way (or a torchft rank 0) works too.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from collections.abc import Callable
@@ -140,8 +139,7 @@ def bootstrap(
             timeout=config.connect_timeout,
         )
         advertised = f"{config.store_addr}:{config.store_port}"
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"ftdist/manager/{attempt}", tcp)
+    store = dist.PrefixStore(f"ftdist/manager/{config.restart_attempt}", tcp)
 
     server = None
     if config.group_rank == 0:
@@ -170,7 +168,7 @@ def bootstrap(
         # prepared the torchft way); a restarted one never does: they may
         # name the server that died with the previous attempt.
         manager_addr, full_id = await_keys(
-            store, tcp if attempt == "0" else None, config.connect_timeout
+            store, tcp if config.restart_attempt == "0" else None, config.connect_timeout
         )
         lighthouse = config.lighthouse_addr
         if not lighthouse and store.check([LIGHTHOUSE_ADDR_KEY]):

@@ -32,6 +32,8 @@ from datetime import timedelta
 from enum import IntEnum
 from typing import Any
 
+from ftdist.lighthouse.config import lighthouse_address
+
 DEFAULT_TIMEOUT = timedelta(seconds=60)
 
 # torchft's names for the replica group's store keys and its environment
@@ -86,27 +88,27 @@ class WorldSizeMode(IntEnum):
     FIXED_WITH_SPARES = 1
 
 
-def _env(env: Mapping[str, str], name: str) -> str | None:
-    for prefix in ("FTDIST_", "TORCHFT_"):
-        value = env.get(prefix + name)
+def _env(env: Mapping[str, str], names: tuple[str, ...]) -> str | None:
+    """The first of ``names`` set (non-empty) in ``env``: ftdist's name, then torchft's."""
+    for name in names:
+        value = env.get(name)
         if value not in (None, ""):
             return value
     return None
 
 
 def _duration(
-    name: str, value: Any, env: Mapping[str, str], env_name: str, default: timedelta
+    name: str, value: Any, env: Mapping[str, str], env_names: tuple[str, ...], default: timedelta
 ) -> timedelta:
     if value is None:
-        raw = _env(env, env_name)
+        raw = _env(env, env_names)
         if raw is None:
             return default
         try:
             value = timedelta(seconds=float(raw))
         except ValueError:
             raise ValueError(
-                f"environment variable FTDIST_/TORCHFT_{env_name}={raw!r} is not "
-                "a number of seconds"
+                f"environment variable {' or '.join(env_names)}={raw!r} is not a number of seconds"
             ) from None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = timedelta(seconds=float(value))
@@ -155,6 +157,9 @@ class ManagerConfig:
     min_replica_size: int = 1
     max_retries: int | None = None
     check_consistency_every: int = 0
+    # torchrun's restart attempt (TORCHELASTIC_RESTART_COUNT): each attempt
+    # of a replica group meets under its own store prefix.
+    restart_attempt: str = "0"
 
     @classmethod
     def resolve(
@@ -236,19 +241,33 @@ class ManagerConfig:
                 f"check_consistency_every must be >= 0 steps (0: only after reconfigures), "
                 f"got {_every}"
             )
-        lighthouse = lighthouse_addr or _env(env, "LIGHTHOUSE")
+        lighthouse = lighthouse_addr or lighthouse_address(env)
         if needs_lighthouse and group_rank == 0 and not lighthouse:
             raise ValueError(
                 "no lighthouse address: pass lighthouse_addr= or set "
                 "FTDIST_LIGHTHOUSE (or TORCHFT_LIGHTHOUSE)"
             )
         return cls(
-            timeout=_duration("timeout", timeout, env, "TIMEOUT_SEC", DEFAULT_TIMEOUT),
+            timeout=_duration(
+                "timeout",
+                timeout,
+                env,
+                ("FTDIST_TIMEOUT_SEC", "TORCHFT_TIMEOUT_SEC"),
+                DEFAULT_TIMEOUT,
+            ),
             quorum_timeout=_duration(
-                "quorum_timeout", quorum_timeout, env, "QUORUM_TIMEOUT_SEC", DEFAULT_TIMEOUT
+                "quorum_timeout",
+                quorum_timeout,
+                env,
+                ("FTDIST_QUORUM_TIMEOUT_SEC", "TORCHFT_QUORUM_TIMEOUT_SEC"),
+                DEFAULT_TIMEOUT,
             ),
             connect_timeout=_duration(
-                "connect_timeout", connect_timeout, env, "CONNECT_TIMEOUT_SEC", DEFAULT_TIMEOUT
+                "connect_timeout",
+                connect_timeout,
+                env,
+                ("FTDIST_CONNECT_TIMEOUT_SEC", "TORCHFT_CONNECT_TIMEOUT_SEC"),
+                DEFAULT_TIMEOUT,
             ),
             quorum_retries=int(retries or 0),
             lighthouse_addr=lighthouse,
@@ -259,9 +278,10 @@ class ManagerConfig:
             store_port=sport,
             hostname=hostname or socket.gethostname(),
             heartbeat_interval=_duration(
-                "heartbeat_interval", heartbeat_interval, {}, "", timedelta(milliseconds=100)
+                "heartbeat_interval", heartbeat_interval, {}, (), timedelta(milliseconds=100)
             ),
             min_replica_size=min_replica_size,
             max_retries=max_retries,
             check_consistency_every=_every,
+            restart_attempt=env.get("TORCHELASTIC_RESTART_COUNT") or "0",
         )

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ftdist.process_group import config
+
 
 @dataclass(frozen=True)
 class StoreAddress:
@@ -150,9 +152,6 @@ def create_store_client(store_addr: str, timeout: timedelta = timedelta(seconds=
     return store
 
 
-ENV_STORE_BIND = "FTDIST_STORE_BIND"
-
-
 def store_bind_host(hostname: str, environ: Mapping[str, str] | None = None) -> str | None:
     """The address a replica group's own TCPStore listens on; None for every interface.
 
@@ -172,8 +171,7 @@ def store_bind_host(hostname: str, environ: Mapping[str, str] | None = None) -> 
     Returns:
         An IP address, or None.
     """
-    env = os.environ if environ is None else environ
-    explicit = env.get(ENV_STORE_BIND, "").strip().strip("[]")
+    explicit = config.store_bind(environ)
     if explicit:
         return None if explicit in ("0.0.0.0", "::", "*") else explicit
     candidate = hostname.strip().strip("[]")
