@@ -12,18 +12,12 @@ rejoins and heals once the cut is lifted; every group ends bit-identical.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import uuid
 from pathlib import Path
 
 import pytest
 
 from ftdist.chaos import netns, schedule
-from tests._procs import processes_with
+from tests.integration.chaos_runs import run_chaos
 
 WHY_NOT = netns.unavailable()
 pytestmark = [
@@ -36,40 +30,19 @@ pytestmark = [
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_group_cut_from_its_peers_past_the_timeout_costs_one_step(tmp_path: Path) -> None:
-    token = uuid.uuid4().hex
-    env = {**os.environ, "FTDIST_CHAOS_TEST_TOKEN": token, "PYTHONUNBUFFERED": "1"}
-    out = tmp_path / "chaos"
     # One cut of 15-20 s fits before the end; a second one may start and be
     # lifted early by the end of the run, so only the first is judged.
-    proc = subprocess.Popen(
+    run = run_chaos(
         [
-            *[sys.executable, "-m", "ftdist.cli", "chaos", "--duration", "32", "--groups", "3"],
-            *["--group-size", "1", "--ballast", "1", "--gap", "2", "3"],
-            *["--kinds", schedule.CUT_PEERS_LONG, "--out", str(out)],
+            *["--duration", "32", "--groups", "3", "--group-size", "1", "--ballast", "1"],
+            *["--gap", "2", "3", "--kinds", schedule.CUT_PEERS_LONG],
         ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
+        tmp_path,
+        timeout_s=180,
     )
-    try:
-        stdout, _ = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate(timeout=10)
-        for pid in processes_with(f"FTDIST_CHAOS_TEST_TOKEN={token}"):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    logs = "\n".join(
-        f"--- {p.name} (tail) ---\n{p.read_text(errors='replace')[-3000:]}"
-        for p in sorted((out / "events").glob("*.log"))
-    )
-    assert proc.returncode == 0, stdout[-6000:] + logs
-    report = json.loads((out / "report.json").read_text())
+    stdout, logs = run.stdout, run.logs()
+    assert run.returncode == 0, stdout[-6000:] + logs
+    report = run.report()
     assert report["verdict"]["ok"], (report["verdict"], stdout[-6000:], logs)
     first = report["injections"][0]
     assert first["kind"] == schedule.CUT_PEERS_LONG and first["outcome"] == "done", first
@@ -83,3 +56,4 @@ def test_a_group_cut_from_its_peers_past_the_timeout_costs_one_step(tmp_path: Pa
     assert report["heal_transfer"]["count"] >= 1, report["heal_transfer"]
     assert report["divergence"]["ok"] and len(report["divergence"]["hashes"]) == 3
     assert report["hangs"] == [] and report["unexpected_exits"] == []
+    assert run.leftovers() == []
