@@ -166,6 +166,16 @@ def clone(rev: str, into: Path) -> str:
     commit = _git("rev-parse", "--verify", f"{rev}^{{commit}}")
     _git("clone", "--quiet", "--no-checkout", str(REPO), str(into))
     _git("checkout", "--quiet", "--detach", commit, cwd=into)
+    # Byte-compile it once: where PYTHONDONTWRITEBYTECODE is set, every fresh
+    # process (each fork server, each Baby group's child server) would
+    # otherwise compile all of ftdist again, tens of seconds on a loaded
+    # machine (a soak failure: a Baby group's constructor outwaited its test).
+    subprocess.run(
+        [sys.executable, "-m", "compileall", "-q", "src", "tests"],
+        cwd=into,
+        check=True,
+        capture_output=True,
+    )
     return commit
 
 
