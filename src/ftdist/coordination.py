@@ -2,8 +2,11 @@
 Coordination (low-level API)
 ============================
 
-The servers and clients a fault-tolerant job coordinates through, under
-torchft's names, for code that builds its own fault-tolerance algorithm:
+torchft's ``torchft.coordination``: a module of aliases, re-exporting from
+:mod:`ftdist.lighthouse` and :mod:`ftdist.manager` the servers and clients a
+fault-tolerant job coordinates through, for code that builds its own
+fault-tolerance algorithm. (vLLM's ``GroupCoordinator`` is another concept,
+in :mod:`ftdist.coordinator`.)
 
 * :class:`LighthouseServer` / :class:`LighthouseClient`: the job's quorum
   server (see :mod:`ftdist.lighthouse`).
