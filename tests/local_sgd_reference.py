@@ -170,8 +170,8 @@ def simulate(cfg: Config, lineages: list[Lineage]) -> dict[tuple[int, int], Line
     for lin in lineages:
         keys = _round_keys(lin.records)
         position[id(lin)] = keys
-        for key, rec in zip(keys, lin.records, strict=True):
-            by_round[key].append((lin, rec))
+        for key, record in zip(keys, lin.records, strict=True):
+            by_round[key].append((lin, record))
     global_at: dict[int, list[tuple[dict[str, torch.Tensor], dict[str, Any]]]] = {}
     gone: set[int] = set()
     for key in sorted(by_round):

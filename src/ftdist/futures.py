@@ -73,7 +73,7 @@ class _Timer:
 
     __slots__ = ("callback", "cancelled", "deadline")
 
-    def __init__(self, deadline: float, callback: Callable[[], None]) -> None:
+    def __init__(self, deadline: float, callback: Callable[[], object]) -> None:
         self.deadline = deadline
         self.callback = callback
         self.cancelled = False
@@ -149,7 +149,7 @@ class _TimeoutManager:
         self._del_queue: queue.SimpleQueue[object] = queue.SimpleQueue()
 
     # -- scheduling ----------------------------------------------------------
-    def _schedule(self, callback: Callable[[], None], timeout: timedelta) -> _ScheduledTimer:
+    def _schedule(self, callback: Callable[[], object], timeout: timedelta) -> _ScheduledTimer:
         timer = _Timer(time.monotonic() + timeout.total_seconds(), callback)
         with self._cond:
             heapq.heappush(self._heap, (timer.deadline, next(self._seq), timer))
@@ -296,7 +296,7 @@ class _TimeoutManager:
         return timed
 
     @contextmanager
-    def context_timeout(self, callback: Callable[[], None], timeout: timedelta) -> Iterator[None]:
+    def context_timeout(self, callback: Callable[[], object], timeout: timedelta) -> Iterator[None]:
         """See :func:`context_timeout`."""
         timeout = as_timedelta(timeout, "timeout", allow_zero=True)
         self._clear_del_queue()
@@ -307,7 +307,7 @@ class _TimeoutManager:
         finally:
             handle.cancel()
 
-    def stream_timeout(self, callback: Callable[[], None], timeout: timedelta) -> None:
+    def stream_timeout(self, callback: Callable[[], object], timeout: timedelta) -> None:
         """See :func:`stream_timeout`."""
         timeout = as_timedelta(timeout, "timeout", allow_zero=True)
         self._clear_del_queue()
@@ -435,7 +435,7 @@ def future_wait(fut: Future[T], timeout: timedelta) -> T:
 
 
 @contextmanager
-def context_timeout(callback: Callable[[], None], timeout: timedelta) -> Iterator[None]:
+def context_timeout(callback: Callable[[], object], timeout: timedelta) -> Iterator[None]:
     """Call ``callback`` (on the timer thread) if the block has not exited within ``timeout``.
 
     The timer is cancelled when the block exits, normally or by an exception.
@@ -455,7 +455,7 @@ def context_timeout(callback: Callable[[], None], timeout: timedelta) -> Iterato
         yield
 
 
-def stream_timeout(callback: Callable[[], None], timeout: timedelta) -> None:
+def stream_timeout(callback: Callable[[], object], timeout: timedelta) -> None:
     """Call ``callback`` if the current accelerator stream's queued work is late.
 
     An event is recorded on the current stream now; if it has not completed

@@ -18,7 +18,12 @@ alone. A ``sitecustomize`` further down ``sys.path`` still runs.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from types import FrameType
 from typing import Any
+
+# signal.signal's handler type, as typeshed spells it.
+_Handler = Callable[[int, FrameType | None], Any] | int | None
 
 
 def _install(directory: str) -> None:
@@ -49,15 +54,16 @@ def _install(directory: str) -> None:
 
     original_signal = signal.signal
 
-    def signal_(signum: int, handler: Any) -> Any:
-        if signum == signal.SIGUSR1:
+    # signal.signal's own parameter names: callers may pass them by keyword.
+    def signal_(signalnum: int, handler: _Handler | signal.Handlers) -> _Handler | signal.Handlers:
+        if signalnum == signal.SIGUSR1:
             # The process takes SIGUSR1 for itself: no dump file, so the
             # diagnostics never send it one.
             try:
                 os.unlink(path())
             except OSError:
                 pass
-        return original_signal(signum, handler)
+        return original_signal(signalnum, handler)
 
     signal.signal = signal_
     register()

@@ -17,6 +17,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 TIMEOUT = timedelta(seconds=30)
+State = dict[str, torch.Tensor]
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -31,8 +32,8 @@ def _check(state: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None
 
 @pytest.mark.timeout(60)
 def test_http_round_trip_of_cuda_tensors() -> None:
-    src = HTTPTransport(TIMEOUT, hostname="127.0.0.1")
-    dst = HTTPTransport(TIMEOUT, hostname="127.0.0.1")
+    src: HTTPTransport[State] = HTTPTransport(TIMEOUT, hostname="127.0.0.1")
+    dst: HTTPTransport[State] = HTTPTransport(TIMEOUT, hostname="127.0.0.1")
     try:
         state = _state()
         src.send_checkpoint([1], 1, state, TIMEOUT)
@@ -47,9 +48,9 @@ def test_http_round_trip_of_cuda_tensors() -> None:
 def test_pg_transport_messages_are_cuda_tensors(in_place: bool) -> None:
     loop = Loopback()
     state = _state()
-    PGTransport(loop, TIMEOUT, device="cuda").send_checkpoint([1], 1, state)
+    PGTransport[State](loop, TIMEOUT, device="cuda").send_checkpoint([1], 1, state)
     mine = {k: torch.zeros_like(v, device="cuda") for k, v in state.items()}
-    receiver = PGTransport(
+    receiver: PGTransport[State] = PGTransport(
         loop, TIMEOUT, device="cuda", state_dict=(lambda: mine) if in_place else None
     )
     got = receiver.recv_checkpoint(0, "<n/a>", 1)

@@ -5,11 +5,15 @@ from __future__ import annotations
 import os
 import signal
 import time
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 from ftdist.launch.ranks import RankContext, Ranks, run_ranks
+
+if TYPE_CHECKING:
+    from ftdist.process_group import ProcessGroup
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,7 +25,7 @@ pytestmark = [
 ]
 
 
-def _make(kind: str, timeout: float):
+def _make(kind: str, timeout: float) -> ProcessGroup:
     from ftdist.process_group import ProcessGroupBabyNCCL, ProcessGroupNCCL
 
     return ProcessGroupNCCL(timeout=timeout) if kind == "nccl" else ProcessGroupBabyNCCL(timeout)

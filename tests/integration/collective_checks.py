@@ -219,6 +219,7 @@ def _isend_irecv(pg: dist.ProcessGroup, rank: int, ws: int) -> None:
     got = torch.zeros(4)
     rw = dist.irecv(got, src=left, group=pg)
     sw = dist.isend(_val(rank), dst=right, group=pg)
+    assert rw is not None and sw is not None  # None only for a rank outside the group
     sw.wait()
     rw.wait()
     _close(got, left + 1)
@@ -310,7 +311,8 @@ def _funcol_reduce_scatter(pg: dist.ProcessGroup, rank: int, ws: int) -> None:
 @check("torch.compile'd functional all_reduce")
 def _compiled(pg: dist.ProcessGroup, rank: int, ws: int) -> None:
     def step(x: torch.Tensor) -> torch.Tensor:
-        return funcol.all_reduce(x * 2, "sum", pg) + 1
+        reduced: torch.Tensor = funcol.all_reduce(x * 2, "sum", pg)
+        return reduced + 1
 
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     _close(compiled(_val(rank)), 2 * sum(range(1, ws + 1)) + 1)

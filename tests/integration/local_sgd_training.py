@@ -94,12 +94,14 @@ def train(
     outers = [make_outer(b) for b in model.blocks]
     timeout = timedelta(seconds=10)
     pg = ProcessGroupGloo(timeout=timeout)
+
+    def load_state_dict(sd: dict[str, Any]) -> None:
+        model.load_state_dict(sd["model"])
+        inner.load_state_dict(sd["inner"])
+
     manager = Manager(
         pg=pg,
-        load_state_dict=lambda sd: (
-            model.load_state_dict(sd["model"]),
-            inner.load_state_dict(sd["inner"]),
-        ),
+        load_state_dict=load_state_dict,
         state_dict=lambda: {"model": model.state_dict(), "inner": inner.state_dict()},
         min_replica_size=1,
         use_async_quorum=False,

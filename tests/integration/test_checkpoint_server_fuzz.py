@@ -22,17 +22,21 @@ STEP = 7
 # What a request may get: the state, a 4xx, or "busy"/"not served"/"unsupported".
 ALLOWED = {200, 400, 401, 404, 405, 414, 431, 501, 503, 505}
 
+State = dict[str, torch.Tensor]
+
 
 @pytest.fixture
-def server() -> Iterator[tuple[HTTPTransport, dict[str, torch.Tensor]]]:
-    src: HTTPTransport = HTTPTransport(timedelta(seconds=1), hostname="127.0.0.1", token=TOKEN)
+def server() -> Iterator[tuple[HTTPTransport[State], State]]:
+    src: HTTPTransport[State] = HTTPTransport(
+        timedelta(seconds=1), hostname="127.0.0.1", token=TOKEN
+    )
     state = {"w": torch.arange(1000.0), "b": torch.ones(3, dtype=torch.int64)}
     src.send_checkpoint([1], STEP, state, timedelta(seconds=1))
     yield src, state
     src.shutdown()
 
 
-def _port(t: HTTPTransport) -> int:
+def _port(t: HTTPTransport[State]) -> int:
     return int(t.metadata().rsplit(":", 1)[1].split("/")[0])
 
 
@@ -103,7 +107,7 @@ def _status(reply: bytes) -> int | None:
 
 @pytest.mark.timeout(120)
 def test_fuzzed_requests_never_take_the_server_down(
-    server: tuple[HTTPTransport, dict[str, torch.Tensor]], caplog: pytest.LogCaptureFixture
+    server: tuple[HTTPTransport[State], State], caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.ERROR, logger="ftdist.checkpointing")
     src, state = server
@@ -125,7 +129,7 @@ def test_fuzzed_requests_never_take_the_server_down(
 
 @pytest.mark.timeout(60)
 def test_connection_floods_and_silent_clients_are_bounded(
-    server: tuple[HTTPTransport, dict[str, torch.Tensor]],
+    server: tuple[HTTPTransport[State], State],
 ) -> None:
     src, state = server
     port = _port(src)
@@ -147,8 +151,10 @@ def test_connection_floods_and_silent_clients_are_bounded(
     _assert_serves(src, state)
 
 
-def _assert_serves(src: HTTPTransport, state: dict[str, torch.Tensor]) -> None:
-    dst: HTTPTransport = HTTPTransport(timedelta(seconds=10), hostname="127.0.0.1", token=TOKEN)
+def _assert_serves(src: HTTPTransport[State], state: State) -> None:
+    dst: HTTPTransport[State] = HTTPTransport(
+        timedelta(seconds=10), hostname="127.0.0.1", token=TOKEN
+    )
     try:
         got = dst.recv_checkpoint(0, src.metadata(), STEP, timedelta(seconds=10))
         assert got.keys() == state.keys()

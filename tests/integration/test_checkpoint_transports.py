@@ -27,8 +27,10 @@ TIMEOUT = timedelta(seconds=10)
 # torchft's transport tests accept any of these in a timeout's message.
 TIMEOUT_REGEX = r"(Timed out|timed out|timeout|time out)"
 
+State = dict[str, Any]
 
-def _state(seed: int = 0) -> dict:
+
+def _state(seed: int = 0) -> State:
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(64, 33, generator=g)
     return {
@@ -48,36 +50,41 @@ def _state(seed: int = 0) -> dict:
     }
 
 
-def _assert_same(a: object, b: object) -> None:
+def _assert_same(a: Any, b: Any) -> None:
     if isinstance(a, torch.Tensor):
         assert type(b) is type(a) and a.dtype == b.dtype and a.shape == b.shape
         if type(a).__name__ == "DTensor":
-            assert a._spec == b._spec  # type: ignore[attr-defined]
-            a, b = a._local_tensor, b._local_tensor  # type: ignore[attr-defined]
-        assert torch.equal(a, b)  # type: ignore[arg-type]
+            # A DTensor's fields, without importing torch.distributed.tensor.
+            dt_a: Any = a
+            dt_b: Any = b
+            assert dt_a._spec == dt_b._spec
+            a, b = dt_a._local_tensor, dt_b._local_tensor
+        assert torch.equal(a, b)
     elif isinstance(a, dict):
         assert isinstance(b, dict) and list(a) == list(b)
         for k in a:
             _assert_same(a[k], b[k])
     elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b)  # type: ignore[arg-type]
-        for x, y in zip(a, b, strict=True):  # type: ignore[call-overload]
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
             _assert_same(x, y)
     else:
         assert type(a) is type(b) and a == b
 
 
 @pytest.fixture
-def transports() -> Iterator[tuple[HTTPTransport, HTTPTransport]]:
-    src = HTTPTransport(TIMEOUT, hostname="127.0.0.1")
-    dst = HTTPTransport(TIMEOUT, hostname="127.0.0.1")
+def transports() -> Iterator[tuple[HTTPTransport[State], HTTPTransport[State]]]:
+    src = HTTPTransport[State](TIMEOUT, hostname="127.0.0.1")
+    dst = HTTPTransport[State](TIMEOUT, hostname="127.0.0.1")
     yield src, dst
     src.shutdown()
     dst.shutdown()
 
 
 @pytest.mark.timeout(30)
-def test_http_round_trip_is_exact(transports: tuple[HTTPTransport, HTTPTransport]) -> None:
+def test_http_round_trip_is_exact(
+    transports: tuple[HTTPTransport[State], HTTPTransport[State]],
+) -> None:
     src, dst = transports
     state = _state()
     src.send_checkpoint([1], step=7, state_dict=state, timeout=TIMEOUT)
@@ -90,8 +97,8 @@ def test_http_round_trip_is_exact(transports: tuple[HTTPTransport, HTTPTransport
 
 @pytest.mark.timeout(30)
 def test_http_chunks_in_parallel() -> None:
-    src = HTTPTransport(TIMEOUT, num_chunks=3, hostname="::1")
-    dst = HTTPTransport(TIMEOUT, num_chunks=3, hostname="::1")
+    src = HTTPTransport[State](TIMEOUT, num_chunks=3, hostname="::1")
+    dst = HTTPTransport[State](TIMEOUT, num_chunks=3, hostname="::1")
     try:
         state = _state(1)
         src.send_checkpoint([1], 3, state, TIMEOUT)
@@ -154,7 +161,7 @@ def test_torchft_http_transport_bench(capsys: pytest.CaptureFixture[str]) -> Non
 
 @pytest.mark.timeout(30)
 def test_http_refuses_wrong_step_and_unpublished_state(
-    transports: tuple[HTTPTransport, HTTPTransport],
+    transports: tuple[HTTPTransport[State], HTTPTransport[State]],
 ) -> None:
     src, dst = transports
     src.send_checkpoint([1], 5, _state(), TIMEOUT)
@@ -162,7 +169,7 @@ def test_http_refuses_wrong_step_and_unpublished_state(
         dst.recv_checkpoint(0, src.metadata(), 4, TIMEOUT)
     src.disallow_checkpoint()
     quick = timedelta(seconds=0.5)
-    src2 = HTTPTransport(quick, hostname="127.0.0.1")
+    src2 = HTTPTransport[State](quick, hostname="127.0.0.1")
     try:
         with pytest.raises(CheckpointHTTPError, match="503"):
             dst.recv_checkpoint(0, src2.metadata(), 5, TIMEOUT)
@@ -174,7 +181,7 @@ def test_http_refuses_wrong_step_and_unpublished_state(
 
 @pytest.mark.timeout(30)
 def test_http_a_newer_step_waits_for_the_source_to_publish_it(
-    transports: tuple[HTTPTransport, HTTPTransport],
+    transports: tuple[HTTPTransport[State], HTTPTransport[State]],
 ) -> None:
     src, dst = transports
     src.send_checkpoint([1], 5, _state(5), TIMEOUT)
@@ -210,14 +217,14 @@ def _serve_raw(payload: bytes, content_length: int) -> tuple[str, threading.Thre
     return f"http://127.0.0.1:{server.getsockname()[1]}/checkpoint/", thread, server
 
 
-def _stream(state: dict, step: int) -> bytes:
+def _stream(state: State, step: int) -> bytes:
     return b"".join(bytes(b) for b in _wire.chunks(_wire.plan(state, step)[0]))
 
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("damage", ["flip", "truncate", "wrong-step"])
 def test_http_detects_corruption_truncation_and_wrong_step(
-    transports: tuple[HTTPTransport, HTTPTransport], damage: str
+    transports: tuple[HTTPTransport[State], HTTPTransport[State]], damage: str
 ) -> None:
     _, dst = transports
     payload = bytearray(_stream(_state(), 9 if damage != "wrong-step" else 8))
@@ -242,12 +249,12 @@ def test_http_detects_corruption_truncation_and_wrong_step(
 
 @pytest.mark.timeout(30)
 def test_disallow_waits_for_a_transfer_in_flight(
-    transports: tuple[HTTPTransport, HTTPTransport],
+    transports: tuple[HTTPTransport[State], HTTPTransport[State]],
 ) -> None:
     src, dst = transports
     big = {"w": torch.randn(8 << 20)}  # 32 MiB: the transfer takes a while
     src.send_checkpoint([1], 1, big, TIMEOUT)
-    result: dict = {}
+    result: dict[str, Any] = {}
     fetch = threading.Thread(
         target=lambda: result.update(got=dst.recv_checkpoint(0, src.metadata(), 1, TIMEOUT))
     )
@@ -275,8 +282,8 @@ def _read_until_closed(sock: socket.socket) -> bytes:
 @pytest.mark.timeout(60)
 def test_a_slow_reader_cannot_hold_disallow_past_its_timeout() -> None:
     quick = timedelta(seconds=1)
-    src = HTTPTransport(quick, hostname="127.0.0.1")
-    dst = HTTPTransport(TIMEOUT, hostname="127.0.0.1")
+    src = HTTPTransport[State](quick, hostname="127.0.0.1")
+    dst = HTTPTransport[State](TIMEOUT, hostname="127.0.0.1")
     slow = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         state = {"w": torch.randn(16 << 20)}  # 64 MiB: far more than socket buffers hold
@@ -322,11 +329,11 @@ def test_a_slow_reader_cannot_hold_disallow_past_its_timeout() -> None:
 
 @pytest.mark.timeout(30)
 def test_the_job_token_gates_checkpoint_fetches(monkeypatch: pytest.MonkeyPatch) -> None:
-    src = HTTPTransport(TIMEOUT, hostname="127.0.0.1", token="s3cret")
-    open_client = HTTPTransport(TIMEOUT, hostname="127.0.0.1")
-    wrong = HTTPTransport(TIMEOUT, hostname="127.0.0.1", token="guess")
+    src = HTTPTransport[State](TIMEOUT, hostname="127.0.0.1", token="s3cret")
+    open_client = HTTPTransport[State](TIMEOUT, hostname="127.0.0.1")
+    wrong = HTTPTransport[State](TIMEOUT, hostname="127.0.0.1", token="guess")
     monkeypatch.setenv(_auth.ENV_TOKEN, "s3cret")
-    from_env = HTTPTransport(TIMEOUT, hostname="127.0.0.1")  # the token from the environment
+    from_env = HTTPTransport[State](TIMEOUT, hostname="127.0.0.1")  # the token from the environment
     try:
         state = _state()
         src.send_checkpoint([1], 3, state, TIMEOUT)
@@ -350,8 +357,8 @@ def test_a_server_without_token_works_and_says_so_once(
     monkeypatch.delenv(_auth.ENV_TOKEN_FILE, raising=False)
     monkeypatch.setattr(_auth, "_warned", threading.Event())
     with caplog.at_level(logging.WARNING, logger="ftdist.auth"):
-        first = HTTPTransport(TIMEOUT, num_chunks=0)
-        second = HTTPTransport(TIMEOUT, num_chunks=0)
+        first = HTTPTransport[State](TIMEOUT, num_chunks=0)
+        second = HTTPTransport[State](TIMEOUT, num_chunks=0)
     try:
         warnings = [r for r in caplog.records if "without a job token" in r.getMessage()]
         assert len(warnings) == 1
@@ -405,14 +412,16 @@ def _multi_recovery(ctx: RankContext, kind: str) -> dict[str, Any]:
         mine = _dtensor_state()  # a recovering replica's own state, received into in place
         transport: Any
         if kind == "http":
-            transport = HTTPTransport(TIMEOUT, num_chunks=0, hostname="127.0.0.1")
+            transport = HTTPTransport[State](TIMEOUT, num_chunks=0, hostname="127.0.0.1")
             if ctx.rank == 0:
                 store.set("metadata", transport.metadata())
             metadata = store.get("metadata").decode()
         else:
             pg = ProcessGroupGloo(timeout=10)
             pg.configure(ctx.addr("pg"), ctx.rank, ctx.world_size)
-            transport = PGTransport(pg, timeout=TIMEOUT, device="cpu", state_dict=lambda: mine)
+            transport = PGTransport[State](
+                pg, timeout=TIMEOUT, device="cpu", state_dict=lambda: mine
+            )
             metadata = "<n/a>"
         _barrier(store, "start", 3)
         if ctx.rank == 0:
@@ -461,11 +470,11 @@ def _pg_round_trip(ctx: RankContext, in_place: bool, wrong_step: bool) -> object
     pg.configure(ctx.addr("t"), ctx.rank, ctx.world_size)
     try:
         if ctx.rank == 0:
-            PGTransport(pg, TIMEOUT).send_checkpoint([1, 2], 4, _state(2))
+            PGTransport[State](pg, TIMEOUT).send_checkpoint([1, 2], 4, _state(2))
             return None
         mine = _state(3)
         original = mine["model"]["w"].data_ptr()
-        transport = PGTransport(pg, TIMEOUT, state_dict=(lambda: mine) if in_place else None)
+        transport = PGTransport[State](pg, TIMEOUT, state_dict=(lambda: mine) if in_place else None)
         try:
             got = transport.recv_checkpoint(0, "<n/a>", 5 if wrong_step else 4)
         except CheckpointError as exc:
@@ -544,7 +553,7 @@ def test_pg_transport_explicit_timeout_wins_over_the_default(
 ) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    a, b = (PGTransport(pg, timeout=timedelta(milliseconds=20)) for pg in gloo_pair)
+    a, b = (PGTransport[State](pg, timeout=timedelta(milliseconds=20)) for pg in gloo_pair)
     expected = {"tensor": torch.arange(4), "step": 1}
     forever = timedelta(0)  # torch's "no timeout": the group's own
 
@@ -576,7 +585,7 @@ def test_pg_transport_after_a_timed_out_transfer_fails_at_once_until_reconfigure
 
     # torchft's multi-recovery test: a receive that times out, then a send to
     # a peer that never receives; the send must not wait out its deadline.
-    a, b = (PGTransport(pg, timeout=TIMEOUT) for pg in gloo_pair)
+    a, b = (PGTransport[State](pg, timeout=TIMEOUT) for pg in gloo_pair)
     with pytest.raises(RuntimeError, match=r"timed out after 0\.01 s"):
         a.recv_checkpoint(1, "<n/a>", 1, timeout=timedelta(milliseconds=10))
     assert gloo_pair[0].errored() is not None  # mid-message: the group was aborted

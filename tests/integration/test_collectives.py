@@ -10,11 +10,15 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from ftdist.launch.ranks import RankContext, run_ranks
 from tests.integration.collective_checks import CHECKS, first_line
+
+if TYPE_CHECKING:
+    from ftdist.process_group import ProcessGroup
 
 # One worker runs these in turn (make pytest: pytest-xdist, loadgroup):
 # the module fixture runs every collective once for all tests.
@@ -25,7 +29,7 @@ START, END = "<!-- compat-table:start -->", "<!-- compat-table:end -->"
 KINDS = ("gloo", "baby-gloo")
 
 
-def _make(kind: str):
+def _make(kind: str) -> ProcessGroup:
     from ftdist.process_group import ProcessGroupBabyGloo, ProcessGroupGloo
 
     return ProcessGroupGloo(timeout=8) if kind == "gloo" else ProcessGroupBabyGloo(timeout=8)
@@ -71,7 +75,9 @@ UNSUPPORTED = {"monitored_barrier"}
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", KINDS)
-def test_every_collective_gives_the_right_answer(outcomes, kind: str) -> None:
+def test_every_collective_gives_the_right_answer(
+    outcomes: dict[str, list[dict[str, str | None]]], kind: str
+) -> None:
     failures = {
         name: err
         for per_rank in outcomes[kind]
@@ -107,7 +113,7 @@ def _table(outcomes: dict[str, list[dict[str, str | None]]]) -> str:
 
 
 @pytest.mark.timeout(300)
-def test_readme_table_matches(outcomes) -> None:
+def test_readme_table_matches(outcomes: dict[str, list[dict[str, str | None]]]) -> None:
     table = _table(outcomes)
     text = TABLE_DOC.read_text()
     block = f"{START}\n{table}\n{END}"

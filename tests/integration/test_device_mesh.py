@@ -85,6 +85,7 @@ def _hsdp(ctx: RankContext) -> dict[str, object]:
     from datetime import timedelta
 
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
 
     from ftdist.manager import Manager
     from ftdist.process_group import (
@@ -170,7 +171,11 @@ def _hsdp(ctx: RankContext) -> dict[str, object]:
         out["committed"] = manager.should_commit()
         optim.step()
         # Plain lists: full_tensor() may be an AsyncCollectiveTensor, which does not unpickle.
-        out["params"] = {n: p.full_tensor().tolist() for n, p in model.named_parameters()}
+        params: dict[str, object] = {}
+        for n, p in model.named_parameters():
+            assert isinstance(p, DTensor)  # fully_shard made it one
+            params[n] = p.full_tensor().tolist()
+        out["params"] = params
         return out
     finally:
         manager.shutdown()

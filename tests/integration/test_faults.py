@@ -26,6 +26,7 @@ from ftdist.errors import (
 from ftdist.launch.ranks import RankContext, Ranks, run_ranks
 from ftdist.process_group import (
     ErrorSwallowingProcessGroupWrapper,
+    ProcessGroup,
     ProcessGroupBabyGloo,
     ProcessGroupGloo,
 )
@@ -33,11 +34,11 @@ from ftdist.process_group import (
 KINDS = ["gloo", "baby-gloo"]
 
 
-def _make(kind: str, timeout: float):
+def _make(kind: str, timeout: float) -> ProcessGroup:
     return ProcessGroupGloo(timeout=timeout) if kind == "gloo" else ProcessGroupBabyGloo(timeout)
 
 
-def _works_alone(pg, ctx: RankContext, suffix: str) -> float:
+def _works_alone(pg: ProcessGroup, ctx: RankContext, suffix: str) -> float:
     """Reconfigure to a group of one and prove it works."""
     pg.configure(ctx.addr(suffix), 0, 1)
     t = torch.full((3,), 5.0)

@@ -206,9 +206,10 @@ def _raw_call(server_port: int, method: str, payload: bytes) -> grpc.RpcError:
 
 
 def _quorum_request(**member: object) -> bytes:
-    return torchft_pb2.LighthouseQuorumRequest(
+    request: bytes = torchft_pb2.LighthouseQuorumRequest(
         requester=torchft_pb2.QuorumMember(**member)  # type: ignore[arg-type]
     ).SerializeToString()
+    return request
 
 
 QUORUM = "/torchft.LighthouseService/Quorum"

@@ -173,6 +173,7 @@ def test_quantized_allreduce_over_gloo_agrees_everywhere_within_the_bound() -> N
         for i in range(2):
             inputs = [_quantized_input(r, i).double() for r in range(world)]
             exact = sum(inputs)
+            bound: torch.Tensor | float
             if mode == "int8":
                 bound = sum(x.abs().max() / 254 for x in inputs)  # one block per tensor here
             else:

@@ -61,7 +61,7 @@ def test_variants_train_and_end_bit_identical(lh: Lighthouses, variant: str) -> 
         assert results[0]["batches"] == 6
 
 
-def assert_consistent(results: list[dict], steps: int, complete: bool = False) -> None:
+def assert_consistent(results: list[dict[str, Any]], steps: int, complete: bool = False) -> None:
     """Every replica ends at ``steps`` with the same state; no step was lost.
 
     ``complete``: ``results`` come from every process that ever ran, so

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ T = timedelta(seconds=10)
 pytestmark = pytest.mark.timeout(60)
 
 
-def _state() -> tuple:
+def _state() -> tuple[Callable[[Any], None], Callable[[], dict[str, torch.Tensor]]]:
     return (lambda sd: None), (lambda: {"w": torch.ones(2)})
 
 
@@ -27,10 +29,10 @@ def test_bad_construction_raises_before_connecting(monkeypatch: pytest.MonkeyPat
         Manager(pg, load, save, min_replica_size=0, lighthouse_addr="127.0.0.1:1")
     with pytest.raises(TypeError, match="pg must be an ftdist ProcessGroup"):
         Manager(
-            object(),
+            object(),  # type: ignore[arg-type]  # deliberately not a group: the error under test
             load,
             save,
-            min_replica_size=1,  # type: ignore[arg-type]
+            min_replica_size=1,
             lighthouse_addr="127.0.0.1:1",
         )
     for name in ("FTDIST_LIGHTHOUSE", "TORCHFT_LIGHTHOUSE"):

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture
 def lighthouse(lh: Lighthouses) -> LighthouseServer:
-    return lh.server(join_timeout_ms=100)  # type: ignore[no-any-return]
+    return lh.server(join_timeout_ms=100)
 
 
 @pytest.fixture

@@ -169,11 +169,11 @@ def test_group_killed_while_healing_restarts_again(patient_lighthouse: str) -> N
     # dies in its heal (the survivor's step 7 fails), so the second must be
     # asking by step 9, or a loaded machine lets the survivor finish alone
     # and the second start a new run from step 0.
-    actions = {
+    actions: dict[int, dict[str, Any]] = {
         0: {**SLOW, "hold_until_rejoin_at": 6, "later_holds": {9: 2}},
         1: {"die_at_step": 4, **SLOW},
     }
-    again = {0: dict(SLOW), 1: {"die_during_heal": True}}
+    again: dict[int, dict[str, Any]] = {0: dict(SLOW), 1: {"die_during_heal": True}}
     results = _run(patient_lighthouse, 2, 1, 40, actions, [again, {0: dict(SLOW), 1: dict(SLOW)}])
     assert_consistent(results, 40)
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 import pytest
+from google.protobuf.message import Message
 
 from ftdist._rpc import common as _rpc
 from ftdist._rpc._proto import ftdist_pb2, torchft_pb2
@@ -46,7 +47,8 @@ NEEDS_TOKEN = "requires the job token: set FTDIST_JOB_TOKEN"
 
 def _quorum_request(replica_id: str) -> bytes:
     member = torchft_pb2.QuorumMember(replica_id=replica_id, address="m:1", step=1)
-    return torchft_pb2.LighthouseQuorumRequest(requester=member).SerializeToString()
+    request: bytes = torchft_pb2.LighthouseQuorumRequest(requester=member).SerializeToString()
+    return request
 
 
 def _unary(
@@ -156,7 +158,7 @@ def test_manager_server_refuses_calls_without_the_token_and_kill_needs_it(
     lh: Lighthouses,
 ) -> None:
     lighthouse = lh.server(min_replicas=1, token=TOKEN).address()
-    calls = [
+    calls: list[tuple[str, Message]] = [
         (_rpc.MANAGER_QUORUM, torchft_pb2.ManagerQuorumRequest(group_rank=0, step=1)),
         (_rpc.MANAGER_SHOULD_COMMIT, torchft_pb2.ShouldCommitRequest(should_commit=True)),
         (_rpc.MANAGER_CHECKPOINT_METADATA, torchft_pb2.CheckpointMetadataRequest(rank=0)),
@@ -389,9 +391,14 @@ def _train_with_token(ctx: RankContext, lighthouse: str, token: str, steps: int)
     torch.manual_seed(ctx.rank)  # different weights: init_sync heals one from the other
     model = torch.nn.Linear(4, 1)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def load_state_dict(sd: dict[str, Any]) -> None:
+        model.load_state_dict(sd["m"])
+        optim.load_state_dict(sd["o"])
+
     manager = Manager(
         pg=ProcessGroupGloo(timeout=T),
-        load_state_dict=lambda sd: (model.load_state_dict(sd["m"]), optim.load_state_dict(sd["o"])),
+        load_state_dict=load_state_dict,
         state_dict=lambda: {"m": model.state_dict(), "o": optim.state_dict()},
         min_replica_size=1,
         replica_id=f"replica{ctx.rank}",

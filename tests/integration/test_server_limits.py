@@ -9,6 +9,7 @@ import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import grpc
 import pytest
@@ -32,7 +33,7 @@ from tests.integration.lighthouse_helpers import (
 pytestmark = pytest.mark.timeout(60)
 
 
-def _capped(lh: Lighthouses, **settings: object) -> LighthouseServer:
+def _capped(lh: Lighthouses, **settings: Any) -> LighthouseServer:
     """A lighthouse with caps (which only a config sets)."""
     settings.setdefault("min_replicas", 1)
     config = resolve_lighthouse_config(bind="127.0.0.1:0", http_port=-1, **settings)
@@ -123,7 +124,7 @@ def test_every_field_is_bounded(lh: Lighthouses) -> None:
                 else:
                     channel.unary_unary(method)(message.SerializeToString(), timeout=TIMEOUT)  # type: ignore[attr-defined]
             except grpc.RpcError as exc:
-                return exc.code(), exc.details()  # type: ignore[attr-defined]
+                return exc.code(), exc.details()
         return grpc.StatusCode.OK, ""
 
     def quorum(**fields: object) -> torchft_pb2.LighthouseQuorumRequest:

@@ -44,8 +44,11 @@ def assert_identical(a: Any, b: Any, path: str = "state") -> None:
     if isinstance(a, torch.Tensor):
         assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
         if type(a).__name__ == "DTensor":
-            assert a._spec == b._spec, f"{path}: {a._spec} != {b._spec}"
-            a, b = a._local_tensor, b._local_tensor
+            # A DTensor's fields, without importing torch.distributed.tensor.
+            dt_a: Any = a
+            dt_b: Any = b
+            assert dt_a._spec == dt_b._spec, f"{path}: {dt_a._spec} != {dt_b._spec}"
+            a, b = dt_a._local_tensor, dt_b._local_tensor
         assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{a.shape}"
         assert a.requires_grad == b.requires_grad, path
         if a.numel():  # the strides of size-1 dimensions carry no layout

@@ -77,7 +77,7 @@ def test_real_training_states_round_trip_exactly_and_load() -> None:
 
 def test_plain_values_and_containers_round_trip() -> None:
     w = torch.randn(6, 5)
-    state = {
+    state: dict[Any, Any] = {
         "none": None,
         "flags": [True, False],
         "ints": (0, -1, 2**70),

@@ -46,7 +46,7 @@ def _state() -> dict[str, Any]:
 def test_every_message_travels_on_the_transport_device() -> None:
     loop = Loopback()
     # "meta" stands in for an accelerator: no data, but a device of its own.
-    PGTransport(loop, TIMEOUT, device="meta").send_checkpoint([1], 3, _state())
+    PGTransport[dict[str, Any]](loop, TIMEOUT, device="meta").send_checkpoint([1], 3, _state())
     assert {device.type for _, device in loop.sent} == {"meta"}
     # prefix, header, the two non-empty tensors, trailer
     assert [tag for tag, _ in loop.sent] == [1, 2, 16, 17, 3]
@@ -55,13 +55,13 @@ def test_every_message_travels_on_the_transport_device() -> None:
 def test_round_trip_in_place_only_into_matching_tensors() -> None:
     loop = Loopback()
     state = _state()
-    PGTransport(loop, TIMEOUT).send_checkpoint([1], 3, state)
-    mine = {
+    PGTransport[dict[str, Any]](loop, TIMEOUT).send_checkpoint([1], 3, state)
+    mine: dict[str, Any] = {
         "w": torch.zeros(5, 4),  # matches: received in place
         "w_t": torch.zeros(4, 5),  # same shape, other strides: a fresh tensor
         "meta": {"step": 0},
     }
-    receiver = PGTransport(loop, TIMEOUT, state_dict=lambda: mine)
+    receiver = PGTransport[dict[str, Any]](loop, TIMEOUT, state_dict=lambda: mine)
     got = receiver.recv_checkpoint(0, "<n/a>", 3)
     assert_identical(state, got)
     assert got["w"].data_ptr() == mine["w"].data_ptr() and torch.equal(mine["w"], state["w"])
@@ -75,12 +75,12 @@ def test_a_long_header_is_refused_before_it_is_received() -> None:
     prefix = struct.pack("<8sQQII", _wire.MAGIC, _wire.MAX_HEADER_BYTES + 1, 0, 0, 0)
     loop.queues[1] = [torch.frombuffer(bytearray(prefix), dtype=torch.uint8)]
     with pytest.raises(CheckpointError, match="at most"):
-        PGTransport(loop, TIMEOUT).recv_checkpoint(0, "<n/a>", 1)
+        PGTransport[dict[str, Any]](loop, TIMEOUT).recv_checkpoint(0, "<n/a>", 1)
     assert [tag for tag, _ in loop.received] == [1]
 
 
 def test_send_refuses_what_cannot_travel_before_sending_anything() -> None:
     loop = Loopback()
     with pytest.raises(TypeError, match=r"state_dict\['fn'\]"):
-        PGTransport(loop, TIMEOUT).send_checkpoint([1], 3, {"fn": print})
+        PGTransport[dict[str, Any]](loop, TIMEOUT).send_checkpoint([1], 3, {"fn": print})
     assert loop.sent == []

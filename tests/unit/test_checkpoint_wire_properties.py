@@ -76,11 +76,11 @@ def counting_allocations() -> Iterator[list[int]]:
         sizes.append(meta.nbytes)
         return original(meta, device)
 
-    _wire.allocate = allocate  # type: ignore[assignment]
+    _wire.allocate = allocate
     try:
         yield sizes
     finally:
-        _wire.allocate = original  # type: ignore[assignment]
+        _wire.allocate = original
 
 
 def _decode_only_checkpoint_errors(data: bytes, step: int = 1, size: int | None = None) -> Any:

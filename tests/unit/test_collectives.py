@@ -3,6 +3,7 @@ over a simulated group of distinct ranks (all ranks must agree bit for bit)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -51,11 +52,18 @@ def _block_absmax(x: torch.Tensor) -> torch.Tensor:
     return padded.view(rows, BLOCK).amax(dim=1).repeat_interleave(BLOCK)[: x.numel()]
 
 
+def _total(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """``sum(tensors)`` of at least one tensor (typed: the builtin starts from the int 0)."""
+    total = sum(tensors)
+    assert isinstance(total, torch.Tensor)
+    return total
+
+
 def _bound(mode: str, inputs: list[torch.Tensor]) -> torch.Tensor:
     """The documented per-element bound on |decoded sum - exact sum|."""
-    magnitude = sum(x.double().abs() for x in inputs)
+    magnitude = _total(x.double().abs() for x in inputs)
     if mode == "int8":
-        quant = sum(_block_absmax(x).double() / 254 for x in inputs)
+        quant = _total(_block_absmax(x).double() / 254 for x in inputs)
     else:
         quant = magnitude * 2**-8
     return quant + magnitude * FP32_SLACK + 1e-45
@@ -185,7 +193,7 @@ def test_other_ops_and_dtypes_are_refused() -> None:
     with pytest.raises(NotImplementedError, match="only AVG and SUM"):
         allreduce_quantized([torch.ones(2)], dist.ReduceOp.MAX, group)
     opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.PRODUCT
+    opts.reduceOp = dist.ReduceOp(dist.ReduceOp.PRODUCT)
     with pytest.raises(NotImplementedError):
         allreduce_quantized([torch.ones(2)], opts, group)
     with pytest.raises(ValueError, match="fp32, fp16 or bf16"):

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import pytest
+from torch.utils.data import Dataset
 
 from ftdist.data import DistributedSampler
 
 
+def _data(n: int) -> Dataset[int]:
+    """``range(n)`` as a list: torch types a dataset as its ``Dataset`` class,
+    but a sampler needs only its length, and any list is a map-style dataset."""
+    return cast("Dataset[int]", list(range(n)))
+
+
 def test_global_rank_and_world_size_span_every_replica_group() -> None:
     sampler = DistributedSampler(
-        list(range(1000)), replica_rank=1, num_replica_groups=2, group_rank=3, num_replicas=4
+        _data(1000), replica_rank=1, num_replica_groups=2, group_rank=3, num_replicas=4
     )
     assert (sampler.global_rank, sampler.global_world_size) == (7, 8)
     assert (sampler.rank, sampler.num_replicas) == (7, 8)
@@ -21,9 +30,7 @@ def test_shards_are_disjoint_and_cover_the_data() -> None:
     seen: list[int] = []
     for replica in range(3):
         for group_rank in range(2):
-            seen += list(
-                DistributedSampler(list(range(60)), replica, 3, group_rank, 2, shuffle=False)
-            )
+            seen += list(DistributedSampler(_data(60), replica, 3, group_rank, 2, shuffle=False))
     assert sorted(seen) == list(range(60))
 
 
@@ -38,9 +45,9 @@ def test_shards_are_disjoint_and_cover_the_data() -> None:
         ),
     ],
 )
-def test_bad_ranks_are_rejected(kwargs: dict, needle: str) -> None:
+def test_bad_ranks_are_rejected(kwargs: dict[str, Any], needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
-        DistributedSampler(list(range(10)), **kwargs)
+        DistributedSampler(_data(10), **kwargs)
 
 
 # The keyword spellings of torchft's three generations, and the positional order.
@@ -53,18 +60,18 @@ SPELLINGS = [
 
 
 @pytest.mark.parametrize("kwargs", SPELLINGS, ids=lambda k: "+".join(sorted(k)))
-def test_every_generations_keywords_give_the_same_shard(kwargs: dict) -> None:
-    reference = list(DistributedSampler(list(range(1000)), 1, 2, 3, 4))
-    sampler = DistributedSampler(list(range(1000)), **kwargs)
+def test_every_generations_keywords_give_the_same_shard(kwargs: dict[str, Any]) -> None:
+    reference = list(DistributedSampler(_data(1000), 1, 2, 3, 4))
+    sampler = DistributedSampler(_data(1000), **kwargs)
     assert (sampler.global_rank, sampler.global_world_size) == (7, 8)
     assert list(sampler) == reference and reference[0] == 500
 
 
 def test_torch_sampler_options_pass_through_every_spelling() -> None:
-    a = DistributedSampler(list(range(10)), replica_group=0, num_replica_groups=3, shuffle=False)
+    a = DistributedSampler(_data(10), replica_group=0, num_replica_groups=3, shuffle=False)
     assert list(a) == [0, 3, 6, 9]  # padded from the start to 12 samples
     b = DistributedSampler(
-        list(range(10)), replica_group_id=2, num_replica_groups=3, shuffle=False, drop_last=True
+        _data(10), replica_group_id=2, num_replica_groups=3, shuffle=False, drop_last=True
     )
     assert list(b) == [2, 5, 8]
 
@@ -78,8 +85,10 @@ def test_torch_sampler_options_pass_through_every_spelling() -> None:
         ({"group_rank": 0}, "needs the replica group's index"),
     ],
 )
-def test_conflicting_or_missing_spellings_are_type_errors(kwargs: dict, needle: str) -> None:
+def test_conflicting_or_missing_spellings_are_type_errors(
+    kwargs: dict[str, Any], needle: str
+) -> None:
     with pytest.raises(TypeError, match=needle):
-        DistributedSampler(list(range(10)), num_replica_groups=2, **kwargs)
+        DistributedSampler(_data(10), num_replica_groups=2, **kwargs)
     with pytest.raises(TypeError, match="needs num_replica_groups"):
-        DistributedSampler(list(range(10)), replica_rank=0)
+        DistributedSampler(_data(10), replica_rank=0)

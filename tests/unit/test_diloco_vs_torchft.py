@@ -137,10 +137,13 @@ def _replica(
     diloco_cls: Any, scenario: Scenario, manager: _FakeManager, replica: int, model: nn.Sequential
 ) -> Any:
     inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def load(sd: dict[str, Any]) -> None:
+        model.load_state_dict(sd["model"])
+        inner.load_state_dict(sd["inner"])
+
     manager.register_state_dict_fn(
-        "default",
-        lambda sd: (model.load_state_dict(sd["model"]), inner.load_state_dict(sd["inner"])),
-        lambda: {"model": model.state_dict(), "inner": inner.state_dict()},
+        "default", load, lambda: {"model": model.state_dict(), "inner": inner.state_dict()}
     )
     fragments: list[nn.Module] = [model] if scenario.n_fragments == 1 else [model[0], model[2]]
     outers = [

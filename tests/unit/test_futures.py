@@ -50,7 +50,8 @@ def test_future_timeout_passes_results_and_errors_through() -> None:
     assert timed_ok.wait() == 7
     bad: Future[int] = Future()
     timed_bad = future_timeout(bad, LONG)
-    bad.set_exception(RuntimeError("inner failure"))
+    # torch's stub types set_exception's argument as the future's value type.
+    bad.set_exception(RuntimeError("inner failure"))  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="inner failure"):
         timed_bad.wait()
     done: Future[int] = Future()
@@ -71,7 +72,8 @@ def test_future_wait() -> None:
     done.set_result(5)
     assert future_wait(done, timedelta(seconds=1)) == 5
     failed: Future[int] = Future()
-    failed.set_exception(ValueError("nope"))
+    # torch's stub types set_exception's argument as the future's value type.
+    failed.set_exception(ValueError("nope"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="nope"):
         future_wait(failed, timedelta(seconds=1))
     with pytest.raises(ValueError, match="timeout must not be negative"):

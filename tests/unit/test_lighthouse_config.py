@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,7 +58,7 @@ def test_timedelta_and_disabled_dashboard() -> None:
         ({"min_replicas": 1, "kill_token": ""}, "kill_token"),
     ],
 )
-def test_invalid_settings_name_the_field(kwargs: dict[str, object], words: str) -> None:
+def test_invalid_settings_name_the_field(kwargs: dict[str, Any], words: str) -> None:
     with pytest.raises(ValueError) as info:
         resolve_lighthouse_config(environ={}, **kwargs)
     assert words in str(info.value)

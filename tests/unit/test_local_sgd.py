@@ -36,7 +36,7 @@ class DummyWork:
 
 
 def create_manager() -> MagicMock:
-    manager = create_autospec(Manager)
+    manager: MagicMock = create_autospec(Manager)
     manager.errored.return_value = None
     manager._use_async_quorum = False
 
@@ -53,7 +53,8 @@ class SimpleModel(nn.Module):
         self.model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 5), nn.Sigmoid())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x)
+        out: torch.Tensor = self.model(x)
+        return out
 
 
 class TinyModel(nn.Module):
@@ -153,7 +154,7 @@ def test_seed_era_call_with_model_keyword_and_a_truthy_mock_vote() -> None:
     model = SimpleModel()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9)
-    manager = create_autospec(Manager)  # should_commit() and current_step() return mocks
+    manager: MagicMock = create_autospec(Manager)  # should_commit() and current_step() return mocks
     manager._use_async_quorum = False
     with DiLoCo(
         manager, model=model, inner_optimizer=inner, outer_optimizer=outer, sync_every=1
@@ -185,7 +186,7 @@ def test_diloco_allreduce_call_efficiency(bucketize: bool) -> None:
 
 
 def _doubling_manager() -> MagicMock:
-    manager = create_autospec(Manager)
+    manager: MagicMock = create_autospec(Manager)
     manager._use_async_quorum = False
     manager.should_commit.return_value = True
 

@@ -15,6 +15,7 @@ from torch import nn
 from ftdist.local_sgd import DiLoCo, LocalSGD
 from ftdist.manager import Manager
 from ftdist.manager.heal import fingerprint
+from ftdist.manager.work import AllreduceResult
 from ftdist.testing import FakeManagerClient, FakeProcessGroup, quorum_result
 from tests.unit.test_manager import MemoryTransport
 
@@ -45,9 +46,14 @@ def _manager(
     net: Net, inner: torch.optim.Optimizer, transport: Any = None
 ) -> tuple[Manager, FakeManagerClient, FakeProcessGroup]:
     client, pg = FakeManagerClient(), FakeProcessGroup()
+
+    def load(sd: dict[str, Any]) -> None:
+        net.load_state_dict(sd["model"])
+        inner.load_state_dict(sd["inner"])
+
     manager = Manager(
         pg,
-        lambda sd: (net.load_state_dict(sd["model"]), inner.load_state_dict(sd["inner"])),
+        load,
         lambda: {"model": net.state_dict(), "inner": inner.state_dict()},
         min_replica_size=1,
         use_async_quorum=False,
@@ -118,11 +124,11 @@ def test_diloco_heals_the_global_state_and_its_fragment_follows_the_healed_step(
         expected = [b_global[n] - src_model[f"b.{n}"] for n in ("weight", "bias")]
         assert any(bool(e.abs().sum() > 0) for e in expected)  # the source trained b since
 
-        def allreduce(tensor: torch.Tensor, **kwargs: Any) -> Any:
+        def allreduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> AllreduceResult:
             reduced.append(tensor.numel())
             if len(reduced) <= 2:
                 assert torch.equal(tensor, expected[len(reduced) - 1])
-            return real_allreduce(tensor, **kwargs)
+            return real_allreduce(tensor, *args, **kwargs)
 
         manager.allreduce = allreduce  # type: ignore[method-assign]
         diloco = DiLoCo(manager, [net.a, net.b], inner, outers, sync_every=2)

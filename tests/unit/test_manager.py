@@ -18,6 +18,7 @@ import torch
 from ftdist.checkpointing import CheckpointTransport
 from ftdist.errors import CheckpointError, CoordinationTimeoutError
 from ftdist.manager import Manager, WorldSizeMode
+from ftdist.manager.work import AllreduceResult
 from ftdist.testing import FakeManagerClient, FakeProcessGroup, quorum_result
 
 pytestmark = pytest.mark.timeout(30)
@@ -324,7 +325,7 @@ def test_misuse_raises_at_once(make: Any) -> None:
     with pytest.raises(ValueError, match="already registered under 'default'"):
         manager.register_state_dict_fn("default", model.load, model.save)
     with pytest.raises(TypeError, match="must be callables"):
-        manager.register_state_dict_fn("other", None, model.save)  # type: ignore[arg-type]
+        manager.register_state_dict_fn("other", None, model.save)
     manager.start_quorum()
     with pytest.raises(ValueError, match="AVG needs a floating-point tensor"):
         manager.allreduce(torch.ones(2, dtype=torch.int64))
@@ -428,7 +429,7 @@ def test_allreduce_result_is_a_future_of_the_tensor_and_a_work(make: Any) -> Non
     manager, _, _, _ = make()
     manager.start_quorum()
     t = torch.full((2,), 3.0)
-    result = manager.allreduce(t)
+    result: AllreduceResult = manager.allreduce(t)
     assert isinstance(result, torch.futures.Future)
     seen: list[float] = []
     result.get_future().then(lambda f: seen.append(float(f.value()[0])))
@@ -443,10 +444,11 @@ def test_wrap_future_records_failures_and_timeouts(make: Any) -> None:
     manager.start_quorum()
     failing: torch.futures.Future[int] = torch.futures.Future()
     wrapped = manager.wrap_future(failing, 7)
-    failing.set_exception(RuntimeError("peer gone"))
+    # torch's stub types set_exception's argument as the future's value type.
+    failing.set_exception(RuntimeError("peer gone"))  # type: ignore[arg-type]
     assert wrapped.wait() == 7
     assert str(manager.errored()) == "peer gone"
-    assert manager.errored().original_exception is manager.errored()  # type: ignore[union-attr]
+    assert manager.errored().original_exception is manager.errored()
     never: torch.futures.Future[int] = torch.futures.Future()
     bounded = manager.wrap_future(never, 8, timeout=timedelta(milliseconds=10))
     assert bounded.wait() == 8
@@ -521,13 +523,14 @@ def test_fingerprints_of_large_models_fold_into_few_parts() -> None:
     from ftdist.manager.state import MAX_PARTS, ConsistencyParts
 
     parts = ConsistencyParts()
-    big = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(100)])
+    layers = [torch.nn.Linear(2, 2) for _ in range(100)]
+    big = torch.nn.Sequential(*layers)
     parts.register("model", lambda: {n: p.detach() for n, p in big.named_parameters()})
     folded = parts.fingerprint()
     assert len(folded) <= MAX_PARTS and set(folded) == {"model"}
     before = dict(folded)
     with torch.no_grad():
-        big[57].bias.add_(1)
+        layers[57].bias.add_(1)
     assert parts.fingerprint() != before  # folding loses names, not detection
     fine = {"a/b/c/d": 1, "a/b/c/e": 2, "x": 3}
     assert fold_parts(fine, 3) == fine

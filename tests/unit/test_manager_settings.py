@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
@@ -52,6 +53,8 @@ def test_environment_beats_default_and_argument_beats_environment() -> None:
         ({"rank": True}, {}, TypeError, "rank must be an int"),
     ],
 )
-def test_bad_settings_name_the_value(kwargs: dict, env: dict, exc: type, needle: str) -> None:
+def test_bad_settings_name_the_value(
+    kwargs: dict[str, Any], env: dict[str, str], exc: type[Exception], needle: str
+) -> None:
     with pytest.raises(exc, match=needle):
         ManagerConfig.resolve(env=env, **kwargs)

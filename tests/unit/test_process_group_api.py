@@ -7,7 +7,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 import torch
@@ -24,6 +24,9 @@ from ftdist.process_group import (
     ProcessGroupGloo,
     ProcessGroupWrapper,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 SEED_NAMES = [
     "ProcessGroup",
@@ -184,7 +187,8 @@ def test_register_enables_functional_collectives_and_unregister_undoes(
     with pytest.raises(ValueError, match="name not set"):
         funcol.all_reduce(torch.ones(2), "sum", pg)
     with pytest.raises(RuntimeError, match="Could not resolve"):
-        dist.distributed_c10d._resolve_process_group(f"ftdist-gloo:{name}")
+        # A cast, not GroupName(...): older torch has no GroupName.
+        dist.distributed_c10d._resolve_process_group(cast("GroupName", f"ftdist-gloo:{name}"))
     with pytest.raises(ValueError, match="not registered"):
         pg.unregister()
     pg.shutdown()

@@ -188,7 +188,7 @@ def test_wrappers_take_either_generations_argument_order() -> None:
     assert ProcessGroupNCCL(timedelta(seconds=30))._timeout == timedelta(seconds=30)
     assert ProcessGroupXCCL(timedelta(seconds=30))._timeout == timedelta(seconds=30)
     with pytest.raises(TypeError, match="two process groups"):
-        ProcessGroupWrapper(inner, inner)  # type: ignore[arg-type]
+        ProcessGroupWrapper(inner, inner)
     with pytest.raises(TypeError, match=r"pg must be a torch\.distributed\.ProcessGroup"):
         ProcessGroupWrapper("nope")  # type: ignore[arg-type]
 
@@ -263,6 +263,7 @@ def test_baby_group_torchft_contract(store: dist.TCPStore) -> None:
         reconfigure_with_store(pg, _addr(store), 0, 1)
         p, thread, pipe = first
         assert p is not pg._p and thread is not pg._future_thread
+        assert pg._future_pipe is not None
         assert pg._p.is_alive() and not pg._future_pipe.closed()
         # The old child is killed in the background, off the configure path.
         assert thread is not None and pipe is not None

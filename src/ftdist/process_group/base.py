@@ -19,10 +19,10 @@ arguments of ``dist.broadcast``/``dist.send``/... mean ranks in this group.
 Use ``pg.rank()`` rather than ``dist.get_rank(pg)``, which needs a default group.
 """
 
-# torch's stubs declare each collective as the overloads of its pybind
-# binding; these overrides accept all of them (and dispatch on the types), so
-# mypy's override and alias checks cannot apply here.
-# mypy: disable-error-code="override, assignment"
+# torch's stubs type each collective as its pybind overloads, with pybind's
+# parameter names; ftdist's overrides take torch's C++ calling convention (plus
+# a bare tensor, ReduceOp or root) in one signature. Where a stub cannot match,
+# the line has a `type: ignore` and the reason above it.
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import threading
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch._C._distributed_c10d as c10d
@@ -47,6 +47,9 @@ from ftdist.process_group.reconfigure import (
 )
 from ftdist.process_group.registry import _OwnRanks
 from ftdist.process_group.work import CompletedWork
+
+if TYPE_CHECKING:  # recent torch's NewType of str; older torch has none: annotations, casts
+    from torch.distributed.distributed_c10d import GroupName
 
 Post = Callable[[], None] | None
 
@@ -131,10 +134,11 @@ class ProcessGroup(BaseProcessGroup):
             integer tensors, before communicating.
     """
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         if args or kwargs:
-            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            super().__init__(*args, **kwargs)
         else:
+            # pybind's (rank, size) constructor, which torch's stub leaves out.
             super().__init__(0, 1)  # type: ignore[call-arg]
         self._rank = 0
         self._world_size = 0
@@ -271,7 +275,7 @@ class ProcessGroup(BaseProcessGroup):
 
     # -- naming and registration ---------------------------------------------------
     @property
-    def group_name(self) -> str:
+    def group_name(self) -> GroupName:
         """The group's name in torch's registry.
 
         Raises:
@@ -279,7 +283,7 @@ class ProcessGroup(BaseProcessGroup):
         """
         if self._group_name is None:
             raise ValueError("ProcessGroup name not set; call register(name) first")
-        return self._group_name
+        return cast("GroupName", self._group_name)
 
     def getGroupName(self) -> str:
         """Same as :attr:`group_name`, for C++ callers."""
@@ -389,12 +393,13 @@ class ProcessGroup(BaseProcessGroup):
         return False
 
     # -- collectives ---------------------------------------------------------------------
-    def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:
+    # The stub's (tensor(s), op, timeout) overload: ftdist takes no timeout.
+    def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
         """All-reduce ``tensors`` in place (``opts``: AllreduceOptions or a ReduceOp)."""
         tensors = _as_list(tensors, "allreduce")
         if not isinstance(opts, c10d.AllreduceOptions):
             o = c10d.AllreduceOptions()
-            o.reduceOp = _SUM if opts is None else opts
+            o.reduceOp = c10d.ReduceOp(_SUM) if opts is None else opts
             opts = o
         opts, post = self._avg(opts, tensors, "allreduce")
         return self._collective("allreduce", (tensors, opts), post)
@@ -407,7 +412,8 @@ class ProcessGroup(BaseProcessGroup):
         opts, post = self._avg(opts, tensors, "allreduce_coalesced")
         return self._collective("allreduce_coalesced", (tensors, opts), post)
 
-    def broadcast(self, tensors: Any, opts: Any = None) -> dist.Work:
+    # The stub's (tensor, root, timeout) overload: ftdist takes no timeout.
+    def broadcast(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
         """Broadcast from ``opts.rootRank`` (or an int root) into ``tensors``."""
         tensors = _as_list(tensors, "broadcast")
         if not isinstance(opts, c10d.BroadcastOptions):
@@ -421,7 +427,8 @@ class ProcessGroup(BaseProcessGroup):
         """Broadcast one tensor from ``root``."""
         return self.broadcast([tensor], root)
 
-    def reduce(self, tensors: Any, opts: Any = None) -> dist.Work:
+    # The stub's (tensor, root, op, timeout) overload: ftdist takes opts or a root.
+    def reduce(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
         """Reduce ``tensors`` onto ``opts.rootRank``."""
         tensors = _as_list(tensors, "reduce")
         if not isinstance(opts, c10d.ReduceOptions):
@@ -470,21 +477,25 @@ class ProcessGroup(BaseProcessGroup):
             [(o, i, opts) for o, i in _pairs(outputs, inputs, "allgather_into_tensor_coalesced")],
         )
 
-    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    # The stub's parameter names are output_lists/input_list; C++ passes them by position.
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
 
-    def gather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> dist.Work:
+    # The stub's (outputs, input, root, timeout) overload: ftdist takes opts only.
+    def gather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
         """Gather onto ``opts.rootRank``."""
         opts = opts or c10d.GatherOptions()
         self._check_peer(opts.rootRank, "gather root")
         return self._collective("gather", (output_tensors, input_tensors, opts))
 
-    def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> dist.Work:
+    # The stub's (output, inputs, root, timeout) overload: ftdist takes opts only.
+    def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
         """Scatter from ``opts.rootRank``."""
         opts = opts or c10d.ScatterOptions()
         self._check_peer(opts.rootRank, "scatter root")
         return self._collective("scatter", (output_tensors, input_tensors, opts))
 
-    def reduce_scatter(
+    # The stub's (output, inputs, op, timeout) overload: ftdist takes opts only.
+    def reduce_scatter(  # type: ignore[override]
         self, output_tensors: Any, input_tensors: Any, opts: Any = None
     ) -> dist.Work:
         """Reduce, then scatter a list of inputs."""
@@ -500,7 +511,8 @@ class ProcessGroup(BaseProcessGroup):
         opts, post = self._avg(opts, [output], "reduce_scatter_tensor")
         return self._collective("reduce_scatter_single", (output, input, opts), post)
 
-    _reduce_scatter_base = reduce_scatter_single
+    # The stub's parameter names are outputTensor/inputTensor; C++ passes them by position.
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
 
     def reduce_scatter_single_coalesced(
         self, outputs: Any, inputs: Any, opts: Any = None
@@ -514,7 +526,8 @@ class ProcessGroup(BaseProcessGroup):
             post,
         )
 
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+    # The stub's parameter names are outputTensors/inputTensors; C++ passes them by position.
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
 
     def all_to_all_single(
         self,
@@ -536,7 +549,8 @@ class ProcessGroup(BaseProcessGroup):
             ),
         )
 
-    alltoall_base = all_to_all_single
+    # The stub's names are output_tensor/input_tensor or output/input; C++ passes by position.
+    alltoall_base = all_to_all_single  # type: ignore[assignment]
 
     def alltoall(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> dist.Work:
         """List all-to-all."""

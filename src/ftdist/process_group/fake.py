@@ -1,8 +1,5 @@
 """A wrapper that injects collective failures, for tests of fault handling."""
 
-# See base.py: overrides of torch's overloaded pybind signatures.
-# mypy: disable-error-code="override"
-
 from __future__ import annotations
 
 import threading
@@ -93,7 +90,8 @@ class FakeProcessGroupWrapper(ProcessGroupWrapper):
             self._future_error = None
         return super().reconfigure(opts)
 
-    def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:
+    # As in base.ProcessGroup: the stub's (tensor(s), op, timeout) overload; no timeout here.
+    def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
         """All-reduce through the wrapped group; see :meth:`report_future_error`."""
         work = super().allreduce(tensors, opts)
         with self._lock:

@@ -1,8 +1,5 @@
 """A group whose allreduce goes through a fault-tolerance Manager."""
 
-# See base.py: overrides of torch's overloaded pybind signatures.
-# mypy: disable-error-code="override, assignment"
-
 from __future__ import annotations
 
 from datetime import timedelta
@@ -115,7 +112,8 @@ class ManagedProcessGroup(ProcessGroupWrapper):
         pg = self._manager._pg
         return pg.getBackendName() if isinstance(pg, ProcessGroup) else str(pg.name())
 
-    def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:
+    # As in base.ProcessGroup: the stub's (tensor(s), op, timeout) overload; no timeout here.
+    def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
         """Fault-tolerant allreduce of one tensor through the manager.
 
         Waits for the step's quorum first; once the step has failed (or its
@@ -131,6 +129,7 @@ class ManagedProcessGroup(ProcessGroupWrapper):
             raise ValueError(
                 f"ManagedProcessGroup.allreduce takes exactly one tensor, got {len(tensors)}"
             )
+        op: c10d.ReduceOp | c10d.ReduceOp.RedOpType
         if opts is None:
             op = dist.ReduceOp.SUM
         elif isinstance(opts, c10d.AllreduceOptions):

@@ -8,17 +8,17 @@ DeviceMesh (``fully_shard(model, mesh=...)``, DTensor placements) sees a mesh
 with that dimension in it.
 """
 
-# DeviceMesh's methods are untyped or typed differently across torch versions.
-# mypy: disable-error-code="override, no-any-return, misc"
-
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ftdist.process_group.managed import ManagedProcessGroup
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 __all__ = ["ManagedDeviceMesh", "_FlattenDeviceMesh", "ft_init_device_mesh"]
 
@@ -92,7 +92,7 @@ class ManagedDeviceMesh(DeviceMesh):
             assert parent is not None  # checked above
             device_type = parent.device_type
             ranks = torch.tensor([parent._rank], dtype=torch.int)
-            inner_groups: list[str] = []
+            inner_groups: list[GroupName] = []
         else:
             device_type = mesh.device_type
             ranks = mesh.mesh.unsqueeze(replicate_dim)
@@ -101,7 +101,7 @@ class ManagedDeviceMesh(DeviceMesh):
         # (layout, rank map, hashing, coordinates) are all in place.
         super().__init__(device_type, ranks, mesh_dim_names=names, _init_backend=False)
         inner_groups.insert(replicate_dim, replicate_pg.group_name)
-        self._dim_group_names = inner_groups  # type: ignore[assignment]
+        self._dim_group_names = inner_groups
         self._pg_registry[replicate_pg.group_name] = replicate_pg
         if mesh is not None:
             self._pg_registry.update(mesh._get_root_mesh()._pg_registry)

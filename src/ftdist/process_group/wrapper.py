@@ -161,8 +161,8 @@ class ProcessGroupWrapper(ProcessGroup):
 
     def __init__(
         self,
-        pg: BaseProcessGroup | timedelta | float | None = None,
-        timeout: timedelta | float | BaseProcessGroup | None = None,
+        pg: BaseProcessGroup | c10d.Backend | timedelta | float | None = None,
+        timeout: timedelta | float | BaseProcessGroup | c10d.Backend | None = None,
     ) -> None:
         super().__init__()
         wrapped, self._timeout = split_pg_and_timeout(pg, timeout, DEFAULT_TIMEOUT)
