@@ -14,8 +14,8 @@ from torch import nn
 
 from ftdist.local_sgd import DiLoCo, LocalSGD
 from ftdist.manager import Manager
+from ftdist.manager.allreduce_result import AllreduceResult
 from ftdist.manager.heal import fingerprint
-from ftdist.manager.work import AllreduceResult
 from ftdist.testing import FakeManagerClient, FakeProcessGroup, quorum_result
 from tests.unit.test_manager import MemoryTransport
 

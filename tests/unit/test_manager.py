@@ -18,7 +18,7 @@ import torch
 from ftdist.checkpointing import CheckpointTransport
 from ftdist.errors import CheckpointError, CoordinationTimeoutError
 from ftdist.manager import Manager, WorldSizeMode
-from ftdist.manager.work import AllreduceResult
+from ftdist.manager.allreduce_result import AllreduceResult
 from ftdist.testing import FakeManagerClient, FakeProcessGroup, quorum_result
 
 pytestmark = pytest.mark.timeout(30)
