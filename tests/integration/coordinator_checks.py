@@ -8,7 +8,10 @@ mismatch raises, and the harness reports the rank's traceback.
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
@@ -22,6 +25,11 @@ def inp(rank: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -
     return (torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape) + 1000 * rank).to(
         dtype
     )
+
+
+def tsum(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """``sum(tensors)`` typed as a tensor (``sum`` starts from the int 0)."""
+    return functools.reduce(operator.add, tensors)
 
 
 def eq(got: Any, want: torch.Tensor, what: str) -> None:
@@ -46,25 +54,26 @@ def check_tensor_collectives(g: GroupCoordinator) -> None:
     members, r, ws = g.ranks, g.rank_in_group, g.world_size
 
     x = torch.arange(8, dtype=torch.float32) * (g.rank + 1)
-    want = sum(torch.arange(8, dtype=torch.float32) * (m + 1) for m in members)
+    want = tsum(torch.arange(8, dtype=torch.float32) * (m + 1) for m in members)
     eq(g.all_reduce(x.clone()), want, "all_reduce")
     eq(g.all_reduce(x[::2]), want[::2], "all_reduce of a non-contiguous view")
     before = x.clone()
     eq(g._all_reduce_out_place(x), want, "_all_reduce_out_place")
     eq(x, before, "_all_reduce_out_place leaves its input alone")
 
+    got: torch.Tensor | list[torch.Tensor] | None
     for dim in (0, 1, 2, -1, -2):
         got = g.all_gather(inp(g.rank, (2, 3, 4)), dim=dim)
         eq(got, torch.cat([inp(m, (2, 3, 4)) for m in members], dim=dim), f"all_gather dim {dim}")
 
     shape = (2 * ws, 3 * ws, 2 * ws)
-    total = sum(inp(m, shape) for m in members)
+    total = tsum(inp(m, shape) for m in members)
     for dim in (0, 1, 2, -1):
         got = g.reduce_scatter(inp(g.rank, shape), dim=dim)
         eq(got, total.chunk(ws, dim=dim)[r].contiguous(), f"reduce_scatter dim {dim}")
     # 4-D, dim -1 and 2: the axes upstream vLLM permutes wrongly.
     shape4 = (2, 3, 2 * ws, 3 * ws)
-    total4 = sum(inp(m, shape4) for m in members)
+    total4 = tsum(inp(m, shape4) for m in members)
     for dim in (2, 3, -1):
         eq(
             g.reduce_scatter(inp(g.rank, shape4), dim=dim),
@@ -97,13 +106,13 @@ def check_tensor_collectives(g: GroupCoordinator) -> None:
     )
 
     rows = sum(sizes)
-    total_v = sum(inp(m, (rows, 2)) for m in members)
+    total_v = tsum(inp(m, (rows, 2)) for m in members)
     eq(
         g.reduce_scatterv(inp(g.rank, (rows, 2)), dim=0, sizes=sizes),
         total_v.split(sizes, 0)[r],
         "reduce_scatterv dim 0",
     )
-    total_c = sum(inp(m, (2, rows)) for m in members)
+    total_c = tsum(inp(m, (2, rows)) for m in members)
     eq(
         g.reduce_scatterv(inp(g.rank, (2, rows)), dim=-1, sizes=sizes),
         total_c.split(sizes, 1)[r].contiguous(),

@@ -94,7 +94,7 @@ def _every_method(ctx: RankContext, mode: str, port: int) -> dict[str, Any]:
     tp_members = tp.ranks
     checks.eq(
         got,
-        sum(torch.arange(8, dtype=torch.float32) * (m + 1) for m in tp_members),
+        checks.tsum(torch.arange(8, dtype=torch.float32) * (m + 1) for m in tp_members),
         "tensor_model_parallel_all_reduce",
     )
     world.barrier()
@@ -145,7 +145,7 @@ def _custom_ops(ctx: RankContext, port: int) -> None:
     tp = get_tp_group()
     members = tp.ranks
     x = checks.inp(ctx.rank, (2, 4))
-    total = sum(checks.inp(m, (2, 4)) for m in members)
+    total = checks.tsum(checks.inp(m, (2, 4)) for m in members)
 
     checks.eq(torch.ops.ftdist.all_reduce(x, tp.unique_name), total, "op all_reduce")
     checks.eq(

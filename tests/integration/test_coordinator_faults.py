@@ -84,7 +84,8 @@ def _step(step: int, w: dict[str, torch.Tensor]) -> torch.Tensor:
     src = (pp.world_size - 1) * tp.world_size
     out = world.broadcast_tensor_dict({"out": h} if world.rank_in_group == src else None, src=src)
     assert out is not None
-    return out["out"]
+    result: torch.Tensor = out["out"]
+    return result
 
 
 def _serve(ctx: RankContext) -> dict[str, Any]:

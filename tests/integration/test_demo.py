@@ -58,7 +58,8 @@ class DemoProcess:
         return self.proc.returncode, self.log.read_text(errors="replace")
 
     def report(self) -> dict[str, Any]:
-        return json.loads((self.out / "report.json").read_text())
+        report: dict[str, Any] = json.loads((self.out / "report.json").read_text())
+        return report
 
     def kill_all(self) -> None:
         _diagnostics.before_kill()

@@ -39,11 +39,17 @@ class Reader(threading.Thread):
         return self.result
 
 
+# ``queues(local_ranks, remote_ranks, **MessageQueue kwargs)``: a writer and its readers.
+MakeQueues = Callable[..., tuple[MessageQueue, list[MessageQueue]]]
+
+
 @pytest.fixture
-def queues() -> Iterator[Callable[..., tuple[MessageQueue, list[MessageQueue]]]]:
+def queues() -> Iterator[MakeQueues]:
     made: list[MessageQueue] = []
 
-    def make(local: list[int], remote: list[int], **kwargs: Any):
+    def make(
+        local: list[int], remote: list[int], **kwargs: Any
+    ) -> tuple[MessageQueue, list[MessageQueue]]:
         writer = MessageQueue(
             len(local) + len(remote), len(local), local, connect_ip="127.0.0.1", **kwargs
         )
@@ -65,7 +71,7 @@ def _ready(writer: MessageQueue, readers: list[MessageQueue]) -> None:
         t.outcome()
 
 
-def test_every_reader_gets_every_object_in_order(queues) -> None:
+def test_every_reader_gets_every_object_in_order(queues: MakeQueues) -> None:
     writer, readers = queues([1, 2], [3], max_chunk_bytes=2048, max_chunks=2)
     _ready(writer, readers)
     rng = np.random.default_rng(0)
@@ -86,7 +92,7 @@ def test_every_reader_gets_every_object_in_order(queues) -> None:
     assert [r.rank for r in readers] == [1, 2, 3]
 
 
-def test_dequeue_times_out_and_the_queue_stays_usable(queues) -> None:
+def test_dequeue_times_out_and_the_queue_stays_usable(queues: MakeQueues) -> None:
     writer, (reader,) = queues([1], [])
     _ready(writer, [reader])
     with pytest.raises(TimeoutError):
@@ -95,7 +101,7 @@ def test_dequeue_times_out_and_the_queue_stays_usable(queues) -> None:
     assert reader.dequeue(timeout=10) == "after"
 
 
-def test_shutdown_from_another_thread_cancels_a_blocked_dequeue(queues) -> None:
+def test_shutdown_from_another_thread_cancels_a_blocked_dequeue(queues: MakeQueues) -> None:
     writer, (reader,) = queues([1], [])
     _ready(writer, [reader])
     t = Reader(reader, lambda mq: mq.dequeue(timeout=30))
@@ -108,7 +114,7 @@ def test_shutdown_from_another_thread_cancels_a_blocked_dequeue(queues) -> None:
         reader.dequeue(timeout=1)
 
 
-def test_writer_blocked_on_a_reader_that_left_names_its_rank(queues) -> None:
+def test_writer_blocked_on_a_reader_that_left_names_its_rank(queues: MakeQueues) -> None:
     writer, (r1, r2) = queues([4, 7], [], max_chunk_bytes=256, max_chunks=2)
     _ready(writer, [r1, r2])
     threads = Reader(r1, lambda mq: [mq.dequeue(timeout=30) for _ in range(50)])
@@ -122,7 +128,7 @@ def test_writer_blocked_on_a_reader_that_left_names_its_rank(queues) -> None:
         threads.outcome()
 
 
-def test_timeouts_name_the_readers_that_are_behind(queues) -> None:
+def test_timeouts_name_the_readers_that_are_behind(queues: MakeQueues) -> None:
     writer, (reader,) = queues([5], [], max_chunk_bytes=256, max_chunks=2)
     _ready(writer, [reader])
     writer.enqueue(1)
@@ -131,7 +137,7 @@ def test_timeouts_name_the_readers_that_are_behind(queues) -> None:
         writer.enqueue(3, timeout=0.05)
 
 
-def test_misuse_is_refused(queues) -> None:
+def test_misuse_is_refused(queues: MakeQueues) -> None:
     writer, (reader,) = queues([1], [], max_message_bytes=1000)
     with pytest.raises(RuntimeError, match="Only the writer"):
         reader.enqueue(1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
@@ -30,7 +31,7 @@ from ftdist.coordinator.tensor_dict import slice_for, split_tensor_dict, uses_al
 
 # -- the shared-memory ring ---------------------------------------------------------
 @pytest.fixture
-def ring():
+def ring() -> Iterator[tuple[ShmRingBuffer, ShmRingBuffer]]:
     writer = ShmRingBuffer(2, 256, 3)
     reader = ShmRingBuffer(*writer.handle()[:3], name=writer.name)
     yield writer, reader
@@ -38,7 +39,7 @@ def ring():
     writer.close()
 
 
-def test_ring_flags_follow_the_protocol(ring) -> None:
+def test_ring_flags_follow_the_protocol(ring: tuple[ShmRingBuffer, ShmRingBuffer]) -> None:
     writer, reader = ring
     assert all(writer.writable(i) for i in range(3))
     assert not reader.readable(0, 0)
@@ -229,8 +230,19 @@ def test_unique_names_count_per_base_name_and_lookup_is_weak() -> None:
     assert [ops.get_unique_name(base) for _ in range(3)] == [f"{base}:0", f"{base}:1", f"{base}:2"]
 
     class Fake:
+        """Just enough of a coordinator to register (the collectives are never called)."""
+
         unique_name = f"{base}:x"
         destroyed = False
+
+        def _all_reduce_out_place(self, input_: torch.Tensor) -> torch.Tensor:
+            raise NotImplementedError
+
+        def _all_gather_out_place(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
+            raise NotImplementedError
+
+        def _reduce_scatter_out_place(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
+            raise NotImplementedError
 
     fake = Fake()
     ops.register_group(fake)
