@@ -146,6 +146,13 @@ class QuorumRound:
         self._has_state = has_state
         self._prefix = log_prefix
 
+    def _record(self, outcome: RoundOutcome) -> RoundOutcome:
+        part = self.participation
+        part.rank = outcome.participating_rank
+        part.world_size = outcome.participating_world_size
+        part.healing = outcome.heal
+        return outcome
+
     def run(
         self,
         *,
@@ -163,30 +170,6 @@ class QuorumRound:
             CoordinationError: the manager server or the lighthouse refused.
             ValueError: healing is needed but no state is registered.
         """
-        outcome = self._run(
-            step=step,
-            commit_failures=commit_failures,
-            send_fingerprint=send_fingerprint,
-            allow_heal=allow_heal,
-            shrink_only=shrink_only,
-            timeout=timeout,
-        )
-        part = self.participation
-        part.rank = outcome.participating_rank
-        part.world_size = outcome.participating_world_size
-        part.healing = outcome.heal
-        return outcome
-
-    def _run(
-        self,
-        *,
-        step: int,
-        commit_failures: int,
-        send_fingerprint: bool,
-        allow_heal: bool,
-        shrink_only: bool,
-        timeout: timedelta,
-    ) -> RoundOutcome:
         start = time.perf_counter()
         fingerprint = None
         if send_fingerprint and self._consistency:
@@ -219,7 +202,7 @@ class QuorumRound:
             reconfigure_s = self._membership.follow(quorum)
         except Exception as exc:
             out.errors.append(exc)
-            return out
+            return self._record(out)
         out.configured = True
         out.reconfigured = reconfigure_s is not None
         if out.reconfigured:
@@ -231,7 +214,7 @@ class QuorumRound:
                 quorum.replica_ids,
             )
         if not allow_heal:
-            return out
+            return self._record(out)
         if (quorum.heal or quorum.recover_dst_replica_ranks) and not self._has_state():
             raise ValueError(
                 "healing is needed but no state_dict function is registered: pass "
@@ -252,4 +235,4 @@ class QuorumRound:
                 out.staged = Staged(state, quorum.max_step, timeline)
         except Exception as exc:
             out.errors.append(exc)
-        return out
+        return self._record(out)
