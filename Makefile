@@ -111,7 +111,8 @@ proto: setup
 		--python_out=src/ftdist/_rpc/_proto \
 		--pyi_out=src/ftdist/_rpc/_proto \
 		src/ftdist/_rpc/proto/torchft.proto \
-		src/ftdist/_rpc/proto/ftdist.proto
+		src/ftdist/_rpc/proto/ftdist.proto \
+		src/ftdist/_rpc/proto/etcd.proto
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -63,6 +63,14 @@ class CoordinationTimeoutError(FtdistError, TimeoutError):
     """
 
 
+class EtcdError(CoordinationError):
+    """A call to etcd failed: no endpoint answered in time, or etcd refused it.
+
+    The replicated lighthouse (:mod:`ftdist.lighthouse.replica`) treats it as
+    a loss of contact with etcd: a leader stops forming quorums.
+    """
+
+
 class NotReconfigurableError(TypeError, ValueError):
     """A process group that ftdist cannot reconfigure was given where it must.
 
@@ -148,6 +156,7 @@ __all__ = [
     "CommunicationError",
     "CoordinationError",
     "CoordinationTimeoutError",
+    "EtcdError",
     "ExceptionWithTraceback",
     "FtdistError",
     "NotReconfigurableError",

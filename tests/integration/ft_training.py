@@ -142,6 +142,7 @@ def train(
             optim.param_groups[0]["lr"] = 0.5
 
     committed: list[int] = []
+    quorums: list[tuple[int, int, list[str]]] = []
     manager = Manager(
         pg=pg,
         load_state_dict=load,
@@ -233,6 +234,10 @@ def train(
                 # the counter to the source's step first).
                 committed.append(manager.current_step() - 1)
                 commit_times.append(time.time())
+                # Under which quorum: one id must never name two memberships.
+                quorums.append(
+                    (committed[-1], manager.quorum_id(), list(manager._membership.members))
+                )
                 # Only a heal served to the replacement (after the hold)
                 # counts, not the initial step-0 sync.
                 served = any(t.role == "send" for t in manager.heal_timelines[served_before:])
@@ -266,6 +271,7 @@ def train(
             "step": manager.current_step(),
             "batches": manager.batches_committed(),
             "committed": committed,
+            "quorums": quorums,
             "attempts": attempts,
             "commit_times": commit_times,
             "errors": errors,

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ftdist.coordination import LighthouseClient, LighthouseServer, Quorum
+from ftdist.errors import CoordinationError
 
 TIMEOUT = 20.0  # seconds; generous, only hit when something is broken
 
@@ -22,15 +23,30 @@ def wait_for_status(
 ) -> bool:
     """Poll ``lighthouse``'s status until ``predicate`` holds for it.
 
+    ``lighthouse`` may list replicas of a replicated lighthouse
+    (comma-separated): the status polled is then the leader's, the only one
+    that holds heartbeats and waiting requests.
+
     Returns:
         Whether it held within ``timeout`` seconds.
     """
     deadline = time.monotonic() + timeout
-    with LighthouseClient(lighthouse, 10.0) as client:
-        while time.monotonic() < deadline:
-            if predicate(client.status()):
-                return True
-            time.sleep(0.02)
+    replicas = [a for a in lighthouse.split(",") if a]
+    while time.monotonic() < deadline:
+        for address in replicas:
+            try:
+                with LighthouseClient(address, 2.0) as client:
+                    while time.monotonic() < deadline:
+                        document = client.status()
+                        replication = document.get("replication")
+                        if replication is not None and replication.get("role") != "leader":
+                            break
+                        if predicate(document):
+                            return True
+                        time.sleep(0.02)
+            except (CoordinationError, TimeoutError):
+                continue  # a replica that is down or restarting: try the next
+        time.sleep(0.05)
     return False
 
 

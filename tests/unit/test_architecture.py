@@ -33,6 +33,7 @@ PURE = [
     "launch/policy.py",
     "chaos/schedule.py",
     "lighthouse/partition.py",
+    "lighthouse/leadership.py",
 ]
 IMPURE_IMPORTS = {"socket", "threading", "grpc", "torch.distributed", "subprocess", "asyncio"}
 

@@ -34,6 +34,8 @@ READERS = {
     "launch/process.py": "sets TORCHELASTIC_RESTART_COUNT in a restarted child",
     "launch/ranks.py": "sets a rank's environment",
     "chaos/worker.py": "sets GLOO_SOCKET_IFNAME and TORCHELASTIC_RESTART_COUNT in a trainer",
+    "etcd/local.py": "FTDIST_ETCD_BIN (which etcd server to run); a member's environment",
+    "lighthouse/local.py": "passes its environment to the lighthouse replicas it starts",
 }
 
 

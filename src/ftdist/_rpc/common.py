@@ -19,12 +19,15 @@ __all__ = [
     "EVENTS_LEAVE",
     "EVENTS_STATUS",
     "EVENTS_SUBSCRIBE",
+    "FOLLOW_LEADER_METADATA",
+    "LEADER_METADATA",
     "LIGHTHOUSE_HEARTBEAT",
     "LIGHTHOUSE_QUORUM",
     "MANAGER_CHECKPOINT_METADATA",
     "MANAGER_KILL",
     "MANAGER_QUORUM",
     "MANAGER_SHOULD_COMMIT",
+    "NOT_LEADER_PREFIX",
     "client_channel_options",
     "grpc_target",
     "map_rpc_error",
@@ -43,6 +46,16 @@ EVENTS_SERVICE = "ftdist.LighthouseEvents"
 EVENTS_SUBSCRIBE = f"/{EVENTS_SERVICE}/Subscribe"
 EVENTS_STATUS = f"/{EVENTS_SERVICE}/Status"
 EVENTS_LEAVE = f"/{EVENTS_SERVICE}/Leave"
+
+# The replicated lighthouse (ftdist.lighthouse.replica). A client that sends
+# FOLLOW_LEADER_METADATA ("1") with a call to a replica that is not the
+# leader gets FAILED_PRECONDITION, details starting with NOT_LEADER_PREFIX,
+# and the leader's gRPC address (empty while none is known) in the trailing
+# LEADER_METADATA: it moves there itself. A call without it (torchft's own
+# clients) is forwarded to the leader by the replica.
+FOLLOW_LEADER_METADATA = "ftdist-follow-leader"
+LEADER_METADATA = "ftdist-leader"
+NOT_LEADER_PREFIX = "not the leader"
 
 # A quorum of 1024 members with user data can be several MiB.
 _MAX_MESSAGE_BYTES = 256 * 1024 * 1024

@@ -60,6 +60,7 @@ class RpcCall:
 
     Attributes:
         method: the full method path, e.g. ``/torchft.LighthouseService/Quorum``.
+        metadata: the client's invocation metadata, ``(key, value)`` pairs.
         done: the call has been answered (or its client went away).
         cancelled: its client cancelled it, disconnected or ran out of time.
     """
@@ -74,12 +75,14 @@ class RpcCall:
         "_sending",
         "cancelled",
         "done",
+        "metadata",
         "method",
     )
 
-    def __init__(self, call: Any, method: str) -> None:
+    def __init__(self, call: Any, method: str, metadata: tuple[tuple[str, Any], ...] = ()) -> None:
         self._call = call
         self.method = method
+        self.metadata = metadata
         self.done = False
         self.cancelled = False
         self._metadata_sent = False
@@ -87,7 +90,7 @@ class RpcCall:
         self._on_cancel: Callable[[], None] | None = None
         self._outbox: collections.deque[bytes] | None = None
         self._sending = False
-        self._finish: tuple[int, bytes] | None = None
+        self._finish: tuple[int, bytes, tuple[tuple[str, str], ...] | None] | None = None
 
     # -- unary ------------------------------------------------------------
 
@@ -105,23 +108,38 @@ class RpcCall:
         ops.append(cygrpc.SendStatusFromServerOperation(None, _OK, b"", _NO_FLAGS))
         self._end(ops)
 
-    def abort(self, code: grpc.StatusCode, details: str) -> None:
-        """End the call with an error status. Ignored once done.
+    def abort(
+        self,
+        code: grpc.StatusCode,
+        details: str,
+        trailing: tuple[tuple[str, str], ...] | None = None,
+    ) -> None:
+        """End the call with an error status, and ``trailing`` metadata when
+        given. Ignored once done.
 
         A stream with messages still queued ends after they are sent.
         """
         if self.done:
             return
         if self._sending:
-            self._finish = (_status(code), details.encode())
+            self._finish = (_status(code), details.encode(), trailing)
             return
         ops: list[Any] = []
         if not self._metadata_sent:
             ops.append(cygrpc.SendInitialMetadataOperation(None, _NO_FLAGS))
         ops.append(
-            cygrpc.SendStatusFromServerOperation(None, _status(code), details.encode(), _NO_FLAGS)
+            cygrpc.SendStatusFromServerOperation(
+                trailing, _status(code), details.encode(), _NO_FLAGS
+            )
         )
         self._end(ops)
+
+    def metadata_value(self, key: str) -> str | None:
+        """The value of one invocation metadata key, or None when absent."""
+        for k, v in self.metadata:
+            if k == key:
+                return v if isinstance(v, str) else bytes(v).decode("utf-8", "replace")
+        return None
 
     def _end(self, ops: list[Any]) -> None:
         self.done = True
@@ -163,9 +181,11 @@ class RpcCall:
         if self._outbox:
             self._send_now(self._outbox.popleft())
         elif self._finish is not None:
-            code, details = self._finish
+            code, details, trailing = self._finish
             self._finish = None
-            ops: list[Any] = [cygrpc.SendStatusFromServerOperation(None, code, details, _NO_FLAGS)]
+            ops: list[Any] = [
+                cygrpc.SendStatusFromServerOperation(trailing, code, details, _NO_FLAGS)
+            ]
             self._end(ops)
 
     @property
@@ -394,7 +414,7 @@ class CompletionQueueServer:
             return
         self._server.request_call(self._cq, self._cq, self._on_request_call)
         method = event.call_details.method.decode("utf-8", "replace")
-        rpc = RpcCall(event.call, method)
+        rpc = RpcCall(event.call, method, tuple(event.invocation_metadata or ()))
         if self._auth is not None:
             problem = self._auth(event.invocation_metadata)
             if problem is not None:

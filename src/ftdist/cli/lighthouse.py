@@ -11,6 +11,10 @@ written for ``torchft_lighthouse`` work unchanged.
 every call need the job's token; ``--tls-cert``/``--tls-key`` (or
 ``FTDIST_TLS_CERT``/``FTDIST_TLS_KEY``) serve gRPC over TLS
 (docs/security.md).
+
+``--etcd URLS --job NAME`` runs one replica of a replicated lighthouse
+(:mod:`ftdist.lighthouse.replica`); start two or three on different hosts and
+give trainers every replica's address, comma-separated.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
+from ftdist.errors import EtcdError
 from ftdist.lighthouse.config import CLI_DEFAULTS, ENV_VARS, resolve_lighthouse_config
 from ftdist.lighthouse.server import LighthouseServer
 
@@ -123,6 +128,39 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="the private key of --tls-cert [env FTDIST_TLS_KEY]",
     )
+    option(
+        "--etcd",
+        key="etcd",
+        metavar="URLS",
+        help_text="run as one replica of a replicated lighthouse, electing a leader through "
+        "this etcd cluster (comma-separated http(s)://host:port); start two or three "
+        "replicas with the same --job on different hosts",
+    )
+    option(
+        "--job",
+        key="job",
+        metavar="NAME",
+        help_text="the job's name (with --etcd): replicas of the same job elect one leader",
+    )
+    option(
+        "--lease-ttl-ms",
+        key="lease_ttl_ms",
+        type=int,
+        metavar="MS",
+        help_text="the etcd lease TTL of each replica (with --etcd): a dead leader is "
+        "replaced about this long after its last renewal",
+    )
+    option(
+        "--takeover-grace-ms",
+        key="takeover_grace_ms",
+        type=int,
+        metavar="MS",
+        help_text="how long a new leader learns who is alive before it forms a quorum other "
+        "than the previous one asked again (with --etcd)",
+    )
+    option("--etcd-ca", key="etcd_ca", metavar="PEM", help_text="CA certificates of etcd's TLS")
+    option("--etcd-cert", key="etcd_cert", metavar="PEM", help_text="client certificate for etcd")
+    option("--etcd-key", key="etcd_key", metavar="PEM", help_text="the key of --etcd-cert")
     parser.add_argument(
         "--log-level",
         default="INFO",
@@ -141,7 +179,8 @@ def run(args: argparse.Namespace) -> int:
 
     Returns:
         0 after a clean stop, 1 if a port cannot be bound, 2 on a
-        configuration error (an unreadable token or TLS file included).
+        configuration error (an unreadable token or TLS file, or an etcd
+        that does not answer, included).
 
     Errors are reported on stderr and in the exit status.
     """
@@ -163,8 +202,15 @@ def run(args: argparse.Namespace) -> int:
             token_file=args.token_file,
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
+            etcd=args.etcd,
+            job=args.job,
+            lease_ttl_ms=args.lease_ttl_ms,
+            takeover_grace_ms=args.takeover_grace_ms,
+            etcd_ca=args.etcd_ca,
+            etcd_cert=args.etcd_cert,
+            etcd_key=args.etcd_key,
         )
-    except (ValueError, OSError) as exc:
+    except (ValueError, TypeError, OSError) as exc:
         print(f"ftdist lighthouse: error: {exc}", file=sys.stderr)
         return 2
 
@@ -180,6 +226,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         try:
             server = LighthouseServer(config=config)
+        except EtcdError as exc:
+            print(f"ftdist lighthouse: error: {exc}", file=sys.stderr)
+            return 2
         except OSError as exc:
             print(f"ftdist lighthouse: error: {exc}", file=sys.stderr)
             return 1

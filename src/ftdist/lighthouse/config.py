@@ -19,7 +19,16 @@ Field                               Environment variable            Default
 ``kill_token``                      ``FTDIST_LIGHTHOUSE_KILL_TOKEN`` none
 ``token``                           ``FTDIST_JOB_TOKEN[_FILE]``     none (open)
 ``tls_cert``, ``tls_key``           ``FTDIST_TLS_CERT``, ``_KEY``   none (plaintext)
+``etcd``                            ``FTDIST_LIGHTHOUSE_ETCD``      none (a single lighthouse)
+``job``                             ``FTDIST_LIGHTHOUSE_JOB``       required with ``etcd``
+``lease_ttl``                       ``FTDIST_LIGHTHOUSE_LEASE_TTL_MS`` 2 s
+``takeover_grace``                  ``FTDIST_LIGHTHOUSE_TAKEOVER_GRACE_MS`` 1 s
+``etcd_ca``, ``_cert``, ``_key``    ``FTDIST_ETCD_CA``, ``_CERT``, ``_KEY`` none
 =================================== =============================== ==========
+
+With ``etcd`` the lighthouse is one replica of a replicated set
+(:mod:`ftdist.lighthouse.replica`); those settings form its
+:class:`ReplicationConfig`.
 
 The job token and the TLS files are read by :mod:`ftdist._auth`, like every
 other process of the job reads them. The caps (``max_replica_ids``,
@@ -56,6 +65,7 @@ __all__ = [
     "CLI_DEFAULTS",
     "ENV_VARS",
     "LighthouseConfig",
+    "ReplicationConfig",
     "lighthouse_address",
     "resolve_lighthouse_config",
 ]
@@ -68,6 +78,13 @@ ENV_VARS: Mapping[str, str] = {
     "heartbeat_timeout_ms": "FTDIST_LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS",
     "http_port": "FTDIST_LIGHTHOUSE_HTTP_PORT",
     "kill_token": "FTDIST_LIGHTHOUSE_KILL_TOKEN",
+    "etcd": "FTDIST_LIGHTHOUSE_ETCD",
+    "job": "FTDIST_LIGHTHOUSE_JOB",
+    "lease_ttl_ms": "FTDIST_LIGHTHOUSE_LEASE_TTL_MS",
+    "takeover_grace_ms": "FTDIST_LIGHTHOUSE_TAKEOVER_GRACE_MS",
+    "etcd_ca": "FTDIST_ETCD_CA",
+    "etcd_cert": "FTDIST_ETCD_CERT",
+    "etcd_key": "FTDIST_ETCD_KEY",
 }
 """Environment variable for each setting."""
 
@@ -78,6 +95,8 @@ API_DEFAULTS: Mapping[str, object] = {
     "heartbeat_timeout_ms": 5000,
     "http_port": 0,
     "kill_token": None,
+    "lease_ttl_ms": 2000,
+    "takeover_grace_ms": 1000,
 }
 """Defaults of the Python API (torchft's ``LighthouseServer`` defaults)."""
 
@@ -97,6 +116,58 @@ _DEFAULT_MAX_SUBSCRIBERS = 16384
 # the lighthouse has not yet seen cancelled.
 _DEFAULT_MAX_PARKED_PER_REPLICA = 4
 _CAPS = ("max_data_bytes", "max_replica_ids", "max_subscribers", "max_parked_per_replica")
+
+
+_JOB_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+# etcd grants at least 1.5 election timeouts (2 s with its defaults); a
+# shorter TTL would be raised silently, and the leader would time itself
+# against the wrong figure (it uses the granted TTL, never this one).
+_MIN_LEASE_TTL = timedelta(seconds=1)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReplicationConfig:
+    """Settings of one replica of a replicated lighthouse.
+
+    Attributes:
+        etcd: the etcd cluster's client URLs.
+        job: the job's name; its keys live under ``/ftdist/<job>/`` and only
+            replicas of the same job elect one leader together.
+        lease_ttl: the TTL asked for the replica's etcd lease; a dead
+            leader is replaced about this long after its last renewal.
+        takeover_grace: how long a new leader waits to learn which replica
+            groups are alive before it forms a quorum that is not the
+            previous one asked again.
+        etcd_ca: PEM file of the CA certificates that sign etcd's.
+        etcd_cert: PEM client certificate presented to etcd.
+        etcd_key: its private key.
+    """
+
+    etcd: tuple[str, ...]
+    job: str
+    lease_ttl: timedelta = timedelta(seconds=2)
+    takeover_grace: timedelta = timedelta(seconds=1)
+    etcd_ca: str | None = None
+    etcd_cert: str | None = None
+    etcd_key: str | None = None
+
+    def __post_init__(self) -> None:
+        """Validate every field.
+
+        Raises:
+            ValueError: naming the first invalid field, its value and the fix.
+        """
+        if not self.job or len(self.job) > 128 or not set(self.job) <= _JOB_CHARS:
+            raise ValueError(
+                f"job ({self.job!r}) must be 1 to 128 letters, digits, '.', '_' or '-'; "
+                "give the job's name with --job or FTDIST_LIGHTHOUSE_JOB"
+            )
+        if self.lease_ttl < _MIN_LEASE_TTL:
+            raise ValueError(f"lease_ttl ({self.lease_ttl}) must be at least 1 s.")
+        if self.takeover_grace < timedelta(0):
+            raise ValueError(f"takeover_grace ({self.takeover_grace}) must not be negative.")
+        if (self.etcd_cert is None) != (self.etcd_key is None):
+            raise ValueError("etcd_cert and etcd_key go together: give both or neither.")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -127,6 +198,8 @@ class LighthouseConfig:
         max_subscribers: most failure-news streams open at once.
         max_parked_per_replica: most quorum requests of one replica id
             waiting at once.
+        replication: with etcd, this lighthouse is one replica of a
+            replicated set; None: the single lighthouse.
     """
 
     bind: str
@@ -143,6 +216,7 @@ class LighthouseConfig:
     max_replica_ids: int = _DEFAULT_MAX_REPLICA_IDS
     max_subscribers: int = _DEFAULT_MAX_SUBSCRIBERS
     max_parked_per_replica: int = _DEFAULT_MAX_PARKED_PER_REPLICA
+    replication: ReplicationConfig | None = None
 
     def __post_init__(self) -> None:
         """Validate every field.
@@ -231,6 +305,7 @@ def resolve_lighthouse_config(
     """
     env = os.environ if environ is None else environ
     known = {*ENV_VARS, *_CAPS, "token", "token_file", "tls_cert", "tls_key"}
+    replication = _replication(explicit, env, defaults)
     unknown = set(explicit) - known
     if unknown:
         raise TypeError(f"unknown lighthouse settings: {sorted(unknown)}")
@@ -276,5 +351,51 @@ def resolve_lighthouse_config(
         token=token,
         tls_cert=tls.cert,
         tls_key=tls.key,
+        replication=replication,
         **caps,
+    )
+
+
+def _or(value: object, default: object) -> object:
+    return default if value is None else value
+
+
+def _replication(
+    explicit: Mapping[str, object], env: Mapping[str, str], defaults: Mapping[str, object]
+) -> ReplicationConfig | None:
+    from ftdist.etcd.client import parse_endpoints
+
+    def pick(name: str) -> object:
+        value = explicit.get(name)
+        if value is not None:
+            return value
+        var = ENV_VARS[name]
+        if env.get(var, "") != "":
+            return env[var]
+        return defaults.get(name)
+
+    etcd = pick("etcd")
+    if etcd is None or etcd == "":
+        return None
+    if not isinstance(etcd, (str, list, tuple)):
+        raise TypeError(f"etcd must be a comma-separated string or a list of URLs, got {etcd!r}")
+    job = pick("job")
+    if job is None:
+        raise ValueError(
+            "a replicated lighthouse needs the job's name: pass job (--job NAME) or set "
+            f"{ENV_VARS['job']}, the same on every replica"
+        )
+
+    def optional(name: str) -> str | None:
+        value = pick(name)
+        return None if value is None else str(value)
+
+    return ReplicationConfig(
+        etcd=parse_endpoints(etcd),
+        job=str(job),
+        lease_ttl=_duration("lease_ttl_ms", _or(pick("lease_ttl_ms"), 2000)),
+        takeover_grace=_duration("takeover_grace_ms", _or(pick("takeover_grace_ms"), 1000)),
+        etcd_ca=optional("etcd_ca"),
+        etcd_cert=optional("etcd_cert"),
+        etcd_key=optional("etcd_key"),
     )

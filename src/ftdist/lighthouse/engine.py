@@ -52,22 +52,8 @@ logger = logging.getLogger("ftdist.lighthouse.server")
 
 Member = torchft_pb2.QuorumMember
 
-LATENCY_BUCKETS_S = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
+LATENCY_BUCKETS_S = tuple(
+    ms / 1000 for ms in (1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1e3, 2.5e3, 5e3, 1e4, 3e4, 6e4)
 )
 """Upper bounds of the quorum latency histogram buckets, in seconds."""
 
@@ -191,10 +177,28 @@ class LighthouseEngine:
         self.num_quorums = 0
         self.num_member_failures = 0
         self.latency = _Histogram(LATENCY_BUCKETS_S)
+        # A replicated lighthouse's: records a new quorum durably before any
+        # reply carries it; returns why not (then it is not issued), or None.
+        self.persist: Callable[[int, tuple[str, ...]], str | None] | None = None
 
     def now(self) -> float:
         """The engine's clock, in seconds."""
         return self._clock()
+
+    def restore(
+        self, quorum_id: int, member_ids: tuple[str, ...] | None, learning_until: float | None
+    ) -> None:
+        """Start from the last quorum another lighthouse issued (a takeover):
+        its members asking again unchanged get it back, same id; any other
+        quorum gets a higher id, and none forms before ``learning_until``
+        (engine clock; None: no wait). ``member_ids`` is None if none was issued.
+        """
+        state = self.state
+        state.quorum_id = quorum_id
+        state.prev_member_ids = member_ids
+        state.learning_until = learning_until
+        self._prev_set = frozenset(member_ids or ())
+        self._num_prev_present = sum(1 for rid in state.participants if rid in self._prev_set)
 
     # -- requests ---------------------------------------------------------
 
@@ -352,6 +356,14 @@ class LighthouseEngine:
         formed = FormedQuorum(quorum, member_ids, frozenset(member_ids), response, now)
 
         id_changed = self.current is None or id_decision.quorum_id != state.quorum_id
+        new_id = state.prev_member_ids is None or id_decision.quorum_id != state.quorum_id
+        if new_id and self.persist is not None:
+            problem = self.persist(id_decision.quorum_id, member_ids)
+            if problem is not None:
+                # The requests stay parked; a deposed leader hands them back.
+                self._last_reason = f"quorum {id_decision.quorum_id} not issued: {problem}"
+                logger.warning("Quorum %d not issued: %s", id_decision.quorum_id, problem)
+                return
         if id_decision.reason is not None:
             shown = ", ".join(member_ids[:16]) + (" ..." if len(member_ids) > 16 else "")
             logger.info("%s", id_decision.reason)

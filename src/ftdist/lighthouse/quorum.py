@@ -21,6 +21,8 @@ The rule is torchft's, reason strings included (tools grep for them):
   disjoint quorums can never both form), and it waits up to
   ``join_timeout_s`` after the first participant joined for healthy replicas
   that heartbeat but have not asked yet.
+* A lighthouse that has just become the leader of a replicated set forms
+  only the fast quorum until ``learning_until`` (see :class:`LighthouseState`).
 * Members are sorted by ``replica_id``, and a quorum is never empty (torchft
   would form an empty one when ``shrink_only`` excludes every participant).
 * Members cut off from their peers, by their own reports, are left out
@@ -132,12 +134,18 @@ class LighthouseState(Generic[M]):
         prev_member_ids: replica ids of the previous quorum in order, or None
             before the first quorum.
         quorum_id: id of the previous quorum (0 before the first).
+        learning_until: a lighthouse that has just taken over as leader
+            (:mod:`ftdist.lighthouse.replica`) forms no new (non-fast)
+            quorum before this time: its heartbeat table starts empty, and
+            the split-brain guard must count the replicas that are alive,
+            not only those that have found it yet. None: no such wait.
     """
 
     participants: dict[str, Participant[M]] = field(default_factory=dict)
     heartbeats: dict[str, float] = field(default_factory=dict)
     prev_member_ids: tuple[str, ...] | None = None
     quorum_id: int = 0
+    learning_until: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +232,13 @@ def compute_quorum(
                 _sorted_members(chosen), f"Fast quorum found! {metadata}", settings
             )
 
+    if state.learning_until is not None and now < state.learning_until:
+        return QuorumDecision(
+            None,
+            f"New quorum not ready: this lighthouse took over as leader and waits "
+            f"{state.learning_until - now:.2f} s more to learn which replicas are alive "
+            f"(only the previous quorum asking again forms at once) {metadata}",
+        )
     if num_participants < settings.min_replicas:
         return QuorumDecision(
             None,

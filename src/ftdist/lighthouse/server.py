@@ -55,13 +55,16 @@ from google.protobuf.message import DecodeError
 from ftdist._auth import tls_files, warn_if_open
 from ftdist._rpc import common as _rpc
 from ftdist._rpc._proto import ftdist_pb2, torchft_pb2
-from ftdist._rpc.auth import metadata_refusal, server_credentials
+from ftdist._rpc.auth import call_metadata, metadata_refusal, server_credentials
 from ftdist._rpc.cq_server import CompletionQueueServer, RpcCall
 from ftdist._rpc.kill import kill_manager
 from ftdist.lighthouse.config import LighthouseConfig, resolve_lighthouse_config
 from ftdist.lighthouse.dashboard import DashboardServer
 from ftdist.lighthouse.engine import FormedQuorum, LighthouseEngine
+from ftdist.lighthouse.forward import LeaderForwarder
+from ftdist.lighthouse.limits import MAX_FIELD_BYTES, check_member, too_long
 from ftdist.lighthouse.quorum import QuorumConfig
+from ftdist.lighthouse.replica import LighthouseReplica, Takeover
 from ftdist.lighthouse.status import build_status
 from ftdist.lighthouse.streams import STREAM_GRACE_S
 
@@ -69,57 +72,11 @@ __all__ = ["LighthouseServer"]
 
 logger = logging.getLogger("ftdist.lighthouse.server")
 
-_MAX_FIELD_BYTES = 4096
-_MAX_HANDLES_BYTES = 1024 * 1024
-# One reconfigure handle per group rank.
-_MAX_HANDLES = 65536
 _SHUTDOWN_GRACE_S = 1.0
 # A subscriber this far behind has its stream ended rather than grow memory
 # without bound; it can subscribe again.
 _MAX_PENDING_EVENTS = 256
 _CLOSING = "lighthouse is shutting down; retry against its replacement"
-
-
-def _too_long(text: str, limit: int) -> int:
-    """The UTF-8 size of ``text`` if it exceeds ``limit`` bytes, else 0."""
-    # A character is at most 4 bytes; skip encoding when it cannot matter.
-    if len(text) * 4 <= limit:
-        return 0
-    size = len(text.encode())
-    return size if size > limit else 0
-
-
-def _check_member(member: torchft_pb2.QuorumMember, max_data_bytes: int) -> str | None:
-    """Return what is wrong with a quorum requester, or None."""
-    if not member.replica_id:
-        return "requester.replica_id must not be empty"
-    for name, value in (
-        ("replica_id", member.replica_id),
-        ("address", member.address),
-        ("store_address", member.store_address),
-    ):
-        size = _too_long(value, _MAX_FIELD_BYTES)
-        if size:
-            return f"requester.{name} is {size} bytes; the limit is {_MAX_FIELD_BYTES}"
-    if member.step < 0:
-        return f"requester.step must not be negative (got {member.step})"
-    if member.commit_failures < 0:
-        return f"requester.commit_failures must not be negative (got {member.commit_failures})"
-    size = _too_long(member.data, max_data_bytes)
-    if size:
-        return f"requester.data is {size} bytes; the limit is {max_data_bytes}"
-    if len(member.reconfigure_handles) > _MAX_HANDLES:
-        return (
-            f"requester.reconfigure_handles has {len(member.reconfigure_handles)} entries; "
-            f"the limit is {_MAX_HANDLES}"
-        )
-    if member.reconfigure_handles:
-        size = _too_long("".join(member.reconfigure_handles), _MAX_HANDLES_BYTES)
-        if size:
-            return (
-                f"requester.reconfigure_handles is {size} bytes; the limit is {_MAX_HANDLES_BYTES}"
-            )
-    return None
 
 
 def _split_bind(bind: str) -> tuple[str, int]:
@@ -232,14 +189,12 @@ class LighthouseServer:
             )
         self.config = config
         self._host, _ = _split_bind(config.bind)
-        self._engine = LighthouseEngine(
-            QuorumConfig(
-                min_replicas=config.min_replicas,
-                join_timeout_s=config.join_timeout.total_seconds(),
-                heartbeat_timeout_s=config.heartbeat_timeout.total_seconds(),
-            ),
-            max_replica_ids=config.max_replica_ids,
-        )
+        self._engine = self._new_engine()
+        # Replicated (config.replication): only the leader answers; _leading
+        # is set on this server's thread once the engine holds the takeover.
+        self._replica: LighthouseReplica | None = None
+        self._leading = False
+        self._forwarder = LeaderForwarder(call_metadata(config.token))
         credentials = server_credentials(tls_files(config.tls_cert, config.tls_key, environ={}))
         self._server = CompletionQueueServer(
             config.bind,
@@ -280,6 +235,21 @@ class LighthouseServer:
                     job_token=config.token,
                 )
             except BaseException:
+                self.shutdown()
+                raise
+        if config.replication is not None:
+            try:
+                self._replica = LighthouseReplica(
+                    config.replication,
+                    name=f"{self._public_host()}:{self._port}",
+                    address=self.address(),
+                    dashboard=self.dashboard_address(),
+                    on_elected=lambda t: self._server.call_soon(lambda: self._take_over(t)),
+                    on_deposed=lambda r: self._server.call_soon(lambda: self._step_down(r)),
+                )
+                self._replica.start()
+            except BaseException:
+                self._replica = None
                 self.shutdown()
                 raise
         logger.info(
@@ -326,10 +296,14 @@ class LighthouseServer:
             if self._closed:
                 return
             self._closed = True
+        if self._replica is not None:
+            # First: revoking the lease hands the leadership over at once.
+            self._replica.stop()
         if self._dashboard is not None:
             self._dashboard.close()
         self._server.call_soon(self._engine.close)
         self._server.stop(_SHUTDOWN_GRACE_S)
+        self._forwarder.close()
         logger.info("Lighthouse on port %d stopped", self._port)
 
     def __enter__(self) -> LighthouseServer:
@@ -347,8 +321,13 @@ class LighthouseServer:
     # -- dashboard hooks (called from the dashboard's threads) -------------
 
     def _status(self) -> dict[str, Any]:
-        engine, config = self._engine, self.config
-        return dict(self._server.run(lambda: build_status(engine, config)))
+        return dict(self._server.run(self._status_document))
+
+    def _status_document(self) -> dict[str, Any]:
+        document = build_status(self._engine, self.config)
+        if self._replica is not None:
+            document["replication"] = self._replica.status()
+        return document
 
     def _kill(self, replica_id: str) -> str:
         engine = self._engine
@@ -374,13 +353,15 @@ class LighthouseServer:
     # -- RPC handlers (on the server thread) ----------------------------------
 
     def _handle_quorum(self, rpc: RpcCall, request: bytes) -> None:
+        if self._elsewhere(rpc, request, forward=True):
+            return
         message = _decode(rpc, torchft_pb2.LighthouseQuorumRequest, request)
         if message is None:
             return
         if not message.HasField("requester"):
             rpc.abort(grpc.StatusCode.INVALID_ARGUMENT, "missing requester")
             return
-        problem = _check_member(message.requester, self.config.max_data_bytes)
+        problem = check_member(message.requester, self.config.max_data_bytes)
         if problem is not None:
             rpc.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
             return
@@ -397,7 +378,13 @@ class LighthouseServer:
 
         def deliver(formed: FormedQuorum | None) -> None:
             if formed is None:
-                rpc.abort(grpc.StatusCode.UNAVAILABLE, _CLOSING)
+                if self._replica is not None and not self._closed:
+                    self._not_leader(rpc, "it stopped leading")
+                else:
+                    rpc.abort(grpc.StatusCode.UNAVAILABLE, _CLOSING)
+            elif self._replica is not None and not self._replica.verdict().ok:
+                # Formed, but the lease may have run out meanwhile.
+                self._not_leader(rpc, self._replica.verdict().reason)
             else:
                 rpc.reply(formed.response)
 
@@ -418,6 +405,8 @@ class LighthouseServer:
         engine.tick()
 
     def _handle_heartbeat(self, rpc: RpcCall, request: bytes) -> None:
+        if self._elsewhere(rpc, request, forward=True):
+            return
         message = _decode(rpc, torchft_pb2.LighthouseHeartbeatRequest, request)
         if message is None:
             return
@@ -425,10 +414,10 @@ class LighthouseServer:
         if not replica_id:
             rpc.abort(grpc.StatusCode.INVALID_ARGUMENT, "replica_id must not be empty")
             return
-        if len(replica_id) > _MAX_FIELD_BYTES // 4 and len(replica_id.encode()) > _MAX_FIELD_BYTES:
+        if len(replica_id) > MAX_FIELD_BYTES // 4 and len(replica_id.encode()) > MAX_FIELD_BYTES:
             rpc.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"replica_id is longer than {_MAX_FIELD_BYTES} bytes",
+                f"replica_id is longer than {MAX_FIELD_BYTES} bytes",
             )
             return
         if not self._admit(rpc, replica_id):
@@ -447,13 +436,15 @@ class LighthouseServer:
         return False
 
     def _handle_subscribe(self, rpc: RpcCall, request: bytes) -> None:
+        if self._elsewhere(rpc, request, forward=False):
+            return
         message = _decode(rpc, ftdist_pb2.SubscribeRequest, request)
         if message is None:
             return
-        if _too_long(message.replica_id, _MAX_FIELD_BYTES):
+        if too_long(message.replica_id, MAX_FIELD_BYTES):
             rpc.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"replica_id is longer than {_MAX_FIELD_BYTES} bytes",
+                f"replica_id is longer than {MAX_FIELD_BYTES} bytes",
             )
             return
         if self._engine.num_subscribers >= self.config.max_subscribers:
@@ -466,7 +457,7 @@ class LighthouseServer:
         engine = self._engine
         stream = _EventStream(rpc, engine)
         replica_id = message.replica_id
-        listener = message.listener[:_MAX_FIELD_BYTES]
+        listener = message.listener[:MAX_FIELD_BYTES]
 
         def cancelled() -> None:
             engine.unsubscribe(stream)
@@ -485,20 +476,97 @@ class LighthouseServer:
             return
         # Handlers run on the server thread, which is the engine's loop, as
         # build_status requires.
-        document = build_status(self._engine, self.config)
+        document = self._status_document()
         response = ftdist_pb2.StatusResponse(status_json=json.dumps(document))
         rpc.reply(response.SerializeToString())
 
     def _handle_leave(self, rpc: RpcCall, request: bytes) -> None:
+        if self._elsewhere(rpc, request, forward=True):
+            return
         message = _decode(rpc, ftdist_pb2.LeaveRequest, request)
         if message is None:
             return
         replica_id = message.replica_id
-        if not replica_id or _too_long(replica_id, _MAX_FIELD_BYTES):
+        if not replica_id or too_long(replica_id, MAX_FIELD_BYTES):
             rpc.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"replica_id must be 1 to {_MAX_FIELD_BYTES} bytes",
+                f"replica_id must be 1 to {MAX_FIELD_BYTES} bytes",
             )
             return
         self._engine.leave(replica_id)
         rpc.reply(ftdist_pb2.LeaveResponse().SerializeToString())
+
+    # -- replication (on the server thread) ---------------------------------
+
+    def _new_engine(self) -> LighthouseEngine:
+        config = self.config
+        return LighthouseEngine(
+            QuorumConfig(
+                min_replicas=config.min_replicas,
+                join_timeout_s=config.join_timeout.total_seconds(),
+                heartbeat_timeout_s=config.heartbeat_timeout.total_seconds(),
+            ),
+            max_replica_ids=config.max_replica_ids,
+        )
+
+    def _take_over(self, takeover: Takeover) -> None:
+        replica, replication = self._replica, self.config.replication
+        if replica is None or replication is None or self._closed:
+            return
+        old, self._engine = self._engine, self._new_engine()
+        old.close()
+        engine = self._engine
+        engine.persist = replica.persist_quorum
+        engine.restore(
+            takeover.quorum_id,
+            takeover.member_ids,
+            engine.now() + replication.takeover_grace.total_seconds(),
+        )
+        self._leading = True
+
+    def _step_down(self, reason: str) -> None:
+        if not self._leading:
+            return
+        self._leading = False
+        old, self._engine = self._engine, self._new_engine()
+        # Parked requests are answered "not the leader" (see deliver).
+        old.close()
+        logger.warning("Lighthouse stopped forming quorums: %s", reason)
+
+    def _elsewhere(self, rpc: RpcCall, request: bytes, *, forward: bool) -> bool:
+        """Whether a call is not this replica's to answer; it is then
+        answered "not the leader" (ftdist clients move) or forwarded.
+        """
+        replica = self._replica
+        if replica is None:
+            return False
+        if self._leading:
+            verdict = replica.verdict()
+            if verdict.ok:
+                return False
+            self._not_leader(rpc, verdict.reason)
+            return True
+        if forward and rpc.metadata_value(_rpc.FOLLOW_LEADER_METADATA) is None:
+            self._forward(rpc, request)
+        else:
+            self._not_leader(rpc, "it follows")
+        return True
+
+    def _not_leader(self, rpc: RpcCall, why: str) -> None:
+        leader = "" if self._replica is None else self._replica.leader_address
+        rpc.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"{_rpc.NOT_LEADER_PREFIX}: this lighthouse replica does not form quorums ({why}); "
+            f"the leader is {leader or 'not elected yet'}",
+            ((_rpc.LEADER_METADATA, leader),),
+        )
+
+    def _forward(self, rpc: RpcCall, request: bytes) -> None:
+        leader = "" if self._replica is None else self._replica.leader_address
+        if not leader or leader == self.address():
+            rpc.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "no lighthouse leader is elected yet; retry in a moment",
+            )
+            return
+        self._forwarder.forward(rpc, request, leader, self._server.call_soon)
