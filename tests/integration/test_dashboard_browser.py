@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 
 from ftdist.coordination import LighthouseServer
+from ftdist.etcd.local import LocalEtcdCluster
+from ftdist.lighthouse.local import LocalLighthouseReplicas
 from tests._browser import Chromium, find_chromium, parse_dom, png_size
+from tests.etcd_fixtures import etcd_cluster  # noqa: F401
 from tests.integration.lighthouse_helpers import TIMEOUT, Lighthouses, get_json, pool, wait_until
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(120), pytest.mark.xdist_group("browser")]
@@ -115,3 +118,78 @@ def test_dashboard_before_the_first_quorum(chromium: Chromium, lh: Lighthouses) 
     assert beat.text.startswith("trainer-a: seen ") and beat.text.endswith(" s ago")
     # With a kill token the token field is shown.
     assert "hidden" not in page.by_id("kill-controls").attrs
+
+
+def test_single_lighthouse_hides_the_replicas_panel(chromium: Chromium, lh: Lighthouses) -> None:
+    server = lh.server(http_port=0)
+
+    page = parse_dom(chromium.dump_dom(f"{server.dashboard_address()}/"))
+
+    assert page.by_id("error").text == ""
+    assert page.by_id("quorum-id").text == "0"
+    assert "hidden" in page.by_id("replication").attrs
+    assert "hidden" in page.by_id("follower-notice").attrs
+
+
+def test_dashboard_shows_the_lighthouse_replicas(
+    chromium: Chromium,
+    etcd_cluster: LocalEtcdCluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    job = "browser-replicas"
+    with LocalLighthouseReplicas(etcd_cluster.endpoint_arg, job, 3, log_dir=tmp_path / "lh") as lhs:
+        leader = lhs.wait_leader()
+        follower = (leader + 1) % 3
+        names = [a.removeprefix("http://") for a in lhs.addresses]
+
+        def settled(i: int) -> bool:
+            # The replica set and etcd health are read every ~2 s.
+            replication = get_json(f"{lhs.dashboards[i]}/status.json")["replication"]
+            return (
+                len(replication["replicas"]) == 3
+                and {r["role"] for r in replication["replicas"]} == {"leader", "follower"}
+                and bool(replication["failovers"])
+                and all(m["ok"] for m in replication["etcd"])
+            )
+
+        wait_until(
+            lambda: settled(leader) and settled(follower), 20, "the replicas see the replica set"
+        )
+
+        page = parse_dom(chromium.dump_dom(f"{lhs.dashboards[follower]}/"))
+        assert page.by_id("error").text == ""
+        assert "hidden" not in page.by_id("replication").attrs
+        assert page.by_id("repl-job").text == job
+        assert page.by_id("repl-self").text == names[follower]
+        assert page.by_id("repl-role").text == "follower"
+        [leader_anchor] = [e for e in page.by_id("repl-leader").iter() if e.tag == "a"]
+        assert leader_anchor.text == names[leader]
+        assert leader_anchor.attrs["href"] == lhs.dashboards[leader]
+        # A follower's page says at once where the quorum view is.
+        notice = page.by_id("follower-notice")
+        assert "hidden" not in notice.attrs
+        assert "follower" in notice.text and names[leader] in notice.text
+        assert page.by_id("leader-link").attrs["href"] == lhs.dashboards[leader]
+        assert page.by_id("repl-lease").text.startswith("TTL ")
+        assert page.by_id("repl-serving").text.startswith("Not serving: ")
+        rows = {row.attrs["data-name"]: row for row in page.by_class("replica")}
+        assert sorted(rows) == sorted(names)
+        for i, name in enumerate(names):
+            role = "leader" if i == leader else "follower"
+            assert rows[name].by_class("role")[0].text == role
+            assert f"role-{role}" in rows[name].classes
+            assert ("self" in rows[name].classes) is (i == follower)
+        members = page.by_class("etcd-member")
+        assert [m.attrs["data-endpoint"] for m in members] == etcd_cluster.endpoints
+        assert all(m.by_class("health")[0].text == "ok" for m in members)
+        assert all(m.by_class("version")[0].text not in ("", "-") for m in members)
+        assert sum(m.by_class("raft")[0].text == "leader" for m in members) == 1
+        assert all(m.by_class("latency")[0].text.endswith(" ms") for m in members)
+        newest = page.by_class("failover")[0]
+        assert newest.by_class("leader")[0].text == names[leader]
+        assert newest.by_class("time")[0].text[:2] == "20"
+
+        page = parse_dom(chromium.dump_dom(f"{lhs.dashboards[leader]}/"))
+        assert page.by_id("repl-role").text.startswith("leader for ")
+        assert "hidden" in page.by_id("follower-notice").attrs
+        assert page.by_id("repl-serving").text.startswith("Serving: ")

@@ -306,3 +306,35 @@ def test_torchft_clients_work_through_a_follower(replicas: LocalLighthouseReplic
         assert result.quorum_id > quorum.quorum_id
     finally:
         manager.shutdown()
+
+
+def test_the_job_token_guards_every_replica(
+    etcd_cluster: LocalEtcdCluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    from ftdist.errors import CoordinationError
+    from ftdist.lighthouse.client import LighthouseClient
+
+    token = "replicated-secret"
+    log_dir = tmp_path / "lighthouses"
+    _diagnostics.watch_glob(log_dir, "lighthouse-*.log", "lighthouse replica log", limit=4000)
+    with LocalLighthouseReplicas(
+        etcd_cluster.endpoint_arg,
+        "token",
+        2,
+        log_dir=log_dir,
+        env={"FTDIST_JOB_TOKEN": token},
+    ) as group:
+        leader = group.wait_leader()
+        follower = 1 - leader
+        address = group.addresses[follower]
+        with (
+            LighthouseClient(address, 5, token="wrong") as client,
+            pytest.raises(CoordinationError, match="UNAUTHENTICATED"),
+        ):
+            client.heartbeat("intruder")
+        # One address, so no leader-following: the follower forwards the call,
+        # presenting its own token to the leader.
+        with LighthouseClient(address, 5, token=token) as client:
+            quorum = client.quorum("member", 30)
+        assert [m.replica_id for m in quorum.participants] == ["member"]

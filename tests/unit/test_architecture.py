@@ -23,6 +23,10 @@ LONG_MODULES: dict[str, str] = {
     "coordinator/group.py": "GroupCoordinator alone: vLLM's flat API, one method per "
     "collective with its checks and docstring; the transports behind them are collaborators "
     "(communicator.py, tensor_dict.py, message_queue.py, groups.py, failures.py)",
+    "lighthouse/client.py": "LighthouseClient alone: torchft's API over one lighthouse's "
+    "reconnects and a replicated one's leader search; the connection, the event stream and "
+    "what tells it where the leader is are their own modules (connection.py, event_stream.py, "
+    "following.py)",
 }
 # Modules that decide and must not do I/O: no sockets, threads or collectives.
 PURE = [

@@ -15,6 +15,14 @@ A lighthouse with a job token needs it: ``--token-file`` or
 ``FTDIST_JOB_TOKEN``/``FTDIST_JOB_TOKEN_FILE``; ``--tls-ca`` (or
 ``FTDIST_TLS_CA``, or an ``https://`` address) talks TLS.
 
+A replicated lighthouse (``ftdist lighthouse --etcd ... --job ...``) is
+given as its replicas' addresses, comma-separated. The replica that answers
+may be a follower, which holds no quorum: ``ftdist status`` then asks the
+leader it names, and prints the leader's document. Any replica's document
+adds a "replicas" section: the job, the leader, each replica and its role,
+the etcd endpoints' health, the lease and the last failovers. Given one
+replica's address, it prints that replica's document.
+
 ``--json`` prints the raw document (the dashboard's ``/status.json``),
 ``--watch SECONDS`` refreshes until Ctrl-C. Exit status: 0 on success, 1 if
 the lighthouse could not be asked within ``--timeout``, 2 on a usage error.
@@ -36,10 +44,11 @@ from datetime import timedelta
 from typing import Any
 
 from ftdist._auth import job_token, tls_files
-from ftdist._rpc import common as _rpc
+from ftdist.cli.status_text import render
 from ftdist.errors import CoordinationTimeoutError, FtdistError
 from ftdist.lighthouse.client import LighthouseClient
 from ftdist.lighthouse.config import lighthouse_address
+from ftdist.lighthouse.following import parse_addresses
 
 __all__ = ["main", "register", "render", "run"]
 
@@ -54,6 +63,7 @@ _DESCRIPTION = (
 # Home the cursor and clear the screen: a watched status redraws in place,
 # like watch(1), instead of scrolling.
 _CLEAR = "\x1b[H\x1b[2J"
+# The newest failovers printed; the document holds up to 20.
 
 
 def _positive_seconds(text: str) -> float:
@@ -71,7 +81,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "addr",
         nargs="?",
         metavar="ADDR",
-        help="the lighthouse's gRPC address, host:port or http://host:port "
+        help="the lighthouse's gRPC address, host:port or http://host:port; a replicated "
+        "lighthouse's replicas comma-separated "
         "[default: $FTDIST_LIGHTHOUSE, then $TORCHFT_LIGHTHOUSE]",
     )
     parser.add_argument(
@@ -166,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        _rpc.grpc_target(addr)
+        parse_addresses(addr)
         token = job_token(token_file=getattr(args, "token_file", None))
         tls_files(ca=getattr(args, "tls_ca", None)).root()  # unreadable: a usage error
     except (ValueError, OSError) as exc:
@@ -196,20 +207,31 @@ def _error(message: str) -> None:
 
 
 class _Fetcher:
-    """Asks one lighthouse for its status, connecting on first use and
-    reconnecting after a failed connect (a --watch outlives restarts)."""
+    """Asks a lighthouse for its status, connecting on first use and
+    reconnecting after a failed connect (a --watch outlives restarts).
+
+    Given several replicas of a replicated lighthouse, one client asks them
+    (it moves on from a replica that is down); when the replica that answers
+    is not the leader, the leader it names is asked too, with a client of
+    its own, for the leader alone holds the quorum and heartbeats.
+    """
 
     def __init__(
         self, addr: str, timeout: timedelta, token: str | None, tls_ca: str | None
     ) -> None:
         self.addr = addr
+        # The address of the replica whose document fetch() returned last.
+        self.source = addr
         self.timeout = timeout
         self._token = token
         self._tls_ca = tls_ca
+        self._replicated = len(parse_addresses(addr)) > 1
         self._client: LighthouseClient | None = None
+        self._leader: tuple[str, LighthouseClient] | None = None
 
     def fetch(self) -> dict[str, Any]:
-        """The status document.
+        """The status document; the leader's, given several replicas and
+        the leader can be asked in time.
 
         Raises:
             FtdistError: with a one-line message, if it cannot be had within
@@ -229,18 +251,74 @@ class _Fetcher:
                 ) from exc
         remaining = max(0.001, deadline - time.monotonic())
         try:
-            return self._client.status(timedelta(seconds=remaining))
+            document = self._client.status(timedelta(seconds=remaining))
         except CoordinationTimeoutError as exc:
             raise FtdistError(
                 f"no answer from the lighthouse at {self.addr} within "
                 f"{self.timeout.total_seconds():g} s; it may be down or restarting, "
                 "or raise --timeout"
             ) from exc
+        self.source = self.addr
+        replication = document.get("replication")
+        if not self._replicated or not isinstance(replication, Mapping):
+            return document
+        # Which of the replicas answered: the heading names it.
+        self.source = str(replication.get("address") or self.addr)
+        if replication.get("role") == "leader":
+            return document
+        leader = replication.get("leader")
+        address = leader.get("address") if isinstance(leader, Mapping) else None
+        if not isinstance(address, str) or not address:
+            return document  # an election: no leader to ask yet
+        if self.addr.lstrip().startswith("https://") and address.startswith("http://"):
+            # A replica advertises http://; the user's https:// asks for TLS,
+            # which the leader speaks as well as the replica that answered.
+            address = "https://" + address.removeprefix("http://")
+        try:
+            leaders = self._ask_leader(address, deadline)
+        except (FtdistError, ValueError):
+            # The follower's document still names the leader and the replicas;
+            # the leader may be failing over right now.
+            return document
+        leader_replication = leaders.get("replication")
+        if not isinstance(leader_replication, Mapping) or leader_replication.get("role") != (
+            "leader"
+        ):
+            return document  # it stepped down since: no better view to show
+        self.source = address
+        return leaders
+
+    def _ask_leader(self, address: str, deadline: float) -> dict[str, Any]:
+        """The document of the replica at ``address``, within ``deadline``.
+
+        Raises:
+            FtdistError: it could not be asked in time.
+            ValueError: ``address`` is malformed.
+        """
+        if self._leader is not None and self._leader[0] != address:
+            self._leader[1].close()
+            self._leader = None
+        if self._leader is None:
+            wait = timedelta(seconds=max(0.001, deadline - time.monotonic()))
+            client = LighthouseClient(address, wait, token=self._token, tls_ca=self._tls_ca)
+            self._leader = (address, client)
+        try:
+            return self._leader[1].status(
+                timedelta(seconds=max(0.001, deadline - time.monotonic()))
+            )
+        except FtdistError:
+            # The next fetch connects again, to whichever replica leads then.
+            self._leader[1].close()
+            self._leader = None
+            raise
 
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
             self._client = None
+        if self._leader is not None:
+            self._leader[1].close()
+            self._leader = None
 
 
 def _once(fetcher: _Fetcher, as_json: bool) -> int:
@@ -252,7 +330,7 @@ def _once(fetcher: _Fetcher, as_json: bool) -> int:
     if as_json:
         print(json.dumps(document, indent=2, sort_keys=True), flush=True)
     else:
-        print(render(document, fetcher.addr), end="", flush=True)
+        print(render(document, fetcher.source), end="", flush=True)
     return 0
 
 
@@ -279,7 +357,9 @@ def _watch(fetcher: _Fetcher, as_json: bool, period_s: float) -> int:
             stamp = dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
             header = f"Every {period_s:g} s: {_PROG} {fetcher.addr}    {stamp}\n\n"
             body = (
-                render(document, fetcher.addr) if document is not None else (f"error: {problem}\n")
+                render(document, fetcher.source)
+                if document is not None
+                else (f"error: {problem}\n")
             )
             frame = (_CLEAR if redraw else "") + header + body + ("" if redraw else "\n")
             out.write(frame)
@@ -290,207 +370,6 @@ def _watch(fetcher: _Fetcher, as_json: bool, period_s: float) -> int:
 
 
 # -- rendering ---------------------------------------------------------------
-
-
-def _clean(value: object) -> str:
-    """``value`` as text safe for a terminal.
-
-    Replica ids and addresses come from any client of the lighthouse; control
-    characters in them must not move the cursor or recolour the screen.
-    """
-    text = "" if value is None else str(value)
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
-
-
-def _duration(seconds: object) -> str:
-    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool):
-        return "-"
-    s = float(seconds)
-    if s < 60:
-        return f"{s:.1f} s"
-    if s < 3600:
-        return f"{int(s // 60)}m {int(s % 60):02d}s"
-    if s < 86400:
-        return f"{int(s // 3600)}h {int(s % 3600 // 60):02d}m"
-    return f"{int(s // 86400)}d {int(s % 86400 // 3600):02d}h"
-
-
-def _ago(seconds: object) -> str:
-    text = _duration(seconds)
-    return text if text == "-" else f"{text} ago"
-
-
-def _plural(count: int, noun: str) -> str:
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
-
-
-def _table(
-    header: Sequence[str], rows: Sequence[Sequence[str]], right: frozenset[int] = frozenset()
-) -> list[str]:
-    """Columns padded to their widest cell; columns in ``right`` right-aligned."""
-    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
-
-    def line(cells: Sequence[str]) -> str:
-        padded = [
-            cell.rjust(width) if i in right else cell.ljust(width)
-            for i, (cell, width) in enumerate(zip(cells, widths, strict=True))
-        ]
-        return ("  " + "  ".join(padded)).rstrip()
-
-    return [line(header), *(line(row) for row in rows)]
-
-
-def _number(value: object) -> str:
-    return "-" if value is None else _clean(value)
-
-
-def _member_state(member: Mapping[str, Any]) -> str:
-    flags = []
-    if member.get("recovering"):
-        flags.append("recovering")
-    if member.get("shrink_only"):
-        flags.append("shrink-only")
-    failures = member.get("commit_failures") or 0
-    if failures:
-        flags.append(_plural(int(failures), "commit failure"))
-    return ", ".join(flags) or "ok"
-
-
-def _settings_line(settings: Mapping[str, Any]) -> str:
-    parts = []
-    if "min_replicas" in settings:
-        parts.append(f"min_replicas {_clean(settings['min_replicas'])}")
-    for key, label in (
-        ("join_timeout_ms", "join timeout"),
-        ("heartbeat_timeout_ms", "heartbeat timeout"),
-    ):
-        value = settings.get(key)
-        if isinstance(value, (int, float)):
-            parts.append(f"{label} {_duration(value / 1000)}")
-    return ", ".join(parts)
-
-
-def render(document: Mapping[str, Any], address: str) -> str:
-    """Render a status document as the text ``ftdist status`` prints.
-
-    Keys the document lacks are skipped, so documents from older or newer
-    lighthouses render too.
-
-    Args:
-        document: a document from :meth:`LighthouseClient.status`
-            (:func:`ftdist.lighthouse.status.build_status`).
-        address: the lighthouse address, for the heading.
-
-    Returns:
-        The text, ending in a newline.
-    """
-    lines: list[str] = []
-    heading = f"Lighthouse {_clean(address)}"
-    facts = []
-    if "uptime_s" in document:
-        facts.append(f"up {_duration(document['uptime_s'])}")
-    if "quorums_total" in document:
-        facts.append(f"{_plural(int(document['quorums_total']), 'quorum')} formed")
-    if document.get("member_failures_total"):
-        facts.append(_plural(int(document["member_failures_total"]), "member failure"))
-    settings = _settings_line(document.get("settings") or {})
-    if settings:
-        facts.append(settings)
-    lines.append(heading + (f" ({'; '.join(facts)})" if facts else ""))
-
-    quorum = document.get("quorum")
-    if not quorum:
-        lines.append("Quorum: none formed yet")
-    else:
-        members = list(quorum.get("members") or [])
-        created = quorum.get("created")
-        when = ""
-        if isinstance(created, str):
-            with contextlib.suppress(ValueError):
-                when = (
-                    " ("
-                    + dt.datetime.fromisoformat(created).strftime("%Y-%m-%d %H:%M:%S UTC")
-                    + ")"
-                )
-        title = f"Quorum {_clean(quorum.get('quorum_id'))}"
-        if "age_s" in quorum:
-            title += f", formed {_ago(quorum['age_s'])}{when}"
-        title += f"; {_plural(len(members), 'member')}"
-        if "max_step" in quorum:
-            title += f", max step {_clean(quorum['max_step'])}"
-        lines.append(title)
-        if members:
-            lines.append("")
-            rows = [
-                [
-                    _clean(m.get("replica_id")),
-                    _number(m.get("step")),
-                    _number(m.get("world_size")),
-                    _member_state(m),
-                    _ago(m.get("heartbeat_age_s")),
-                    _clean(m.get("address")) or "-",
-                ]
-                for m in members
-            ]
-            lines.extend(
-                _table(
-                    ["REPLICA", "STEP", "WORLD", "STATE", "HEARTBEAT", "MANAGER"],
-                    rows,
-                    right=frozenset({1, 2}),
-                )
-            )
-    lines.append("")
-    next_quorum = document.get("next_quorum") or {}
-    if next_quorum:
-        state = "ready" if next_quorum.get("ready") else "not ready"
-        reason = _clean(next_quorum.get("reason"))
-        lines.append(f"Next quorum: {state}" + (f": {reason}" if reason else ""))
-    waiting = list(document.get("waiting") or [])
-    if waiting:
-        lines.append(f"Waiting for the next quorum: {_plural(len(waiting), 'request')}")
-        lines.extend(
-            _table(
-                ["REPLICA", "STEP", "WAITED"],
-                [
-                    [
-                        _clean(w.get("replica_id")),
-                        _number(w.get("step")),
-                        _duration(w.get("waited_s")),
-                    ]
-                    for w in waiting
-                ],
-                right=frozenset({1}),
-            )
-        )
-    elif next_quorum:
-        lines.append("Waiting for the next quorum: none")
-
-    heartbeats = list(document.get("heartbeats") or [])
-    lines.append("")
-    if not heartbeats:
-        lines.append("Heartbeats: none")
-    else:
-        healthy = sum(1 for h in heartbeats if h.get("healthy"))
-        lines.append(
-            f"Heartbeats: {_plural(len(heartbeats), 'replica group')}, {healthy} within the "
-            "heartbeat timeout"
-        )
-        lines.extend(
-            _table(
-                ["REPLICA", "LAST HEARTBEAT", ""],
-                [
-                    [
-                        _clean(h.get("replica_id")),
-                        _ago(h.get("age_s")),
-                        "" if h.get("healthy") else "expired",
-                    ]
-                    for h in heartbeats
-                ],
-            )
-        )
-    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ API: ``quorum(...)`` and ``heartbeat(...)``, plus two ftdist extensions
 :meth:`LighthouseClient.subscribe`, and the status document,
 :meth:`LighthouseClient.status`.
 
-Connection handling:
+Connection handling, one address:
 
 * The constructor connects, backing off from 100 ms up to 10 s between
   attempts, and gives up after ``connect_timeout`` with
@@ -25,6 +25,33 @@ Connection handling:
   torchft does; every other failure is a ``CoordinationError`` (a
   ``RuntimeError``) carrying the server's message.
 
+Several addresses, comma-separated (``http://h1:29510,http://h2:29510``),
+are the replicas of a replicated lighthouse, of which only the elected
+leader forms quorums. Every call carries ``ftdist-follow-leader`` metadata,
+so that a follower answers "not the leader" and names the leader instead of
+forwarding the call; the client then moves there itself:
+
+* The constructor connects to every replica at once, starts with the first
+  that is up, and gives up after ``connect_timeout``.
+* A call goes to the current replica. "Not the leader" sends it at once to
+  the leader named (added to the replicas if listed under another name);
+  while no leader is named (an election), to the next replica after a
+  pause growing from 50 ms to 500 ms. An unreachable replica, or one shutting
+  down, sends it at once to the next one.
+* A call in flight when its replica dies or steps down is sent again to
+  the new leader: a failover does not fail a quorum or heartbeat, hence a
+  step (nothing is counted twice: the old leader's state went with its
+  leadership).
+* A call never runs past its ``timeout`` (``CoordinationTimeoutError``) and
+  fails with ``CoordinationError`` once no replica was reachable for
+  ``connect_timeout``.
+* The failure-news stream follows the leader until its first event; one
+  that breaks later raises as with one address, the client having moved to
+  the replica the break pointed at, so the next :meth:`~LighthouseClient.subscribe`
+  goes there.
+* The current replica is shared by every thread using the client; each move
+  is logged (``ftdist.lighthouse.client``, INFO).
+
 The client is thread-safe: one instance can serve a heartbeat thread and a
 quorum thread at once.
 
@@ -37,9 +64,11 @@ uses TLS for an ``https://`` address or when ``FTDIST_TLS_CA`` is set.
 from __future__ import annotations
 
 import json
+import logging
+import math
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any, NoReturn
 
@@ -49,11 +78,24 @@ from ftdist._auth import job_token, tls_files
 from ftdist._durations import to_seconds
 from ftdist._rpc import common as _rpc
 from ftdist._rpc._proto import ftdist_pb2, torchft_pb2
-from ftdist._rpc.auth import call_metadata, open_channel
+from ftdist._rpc.auth import call_metadata
 from ftdist.errors import CoordinationError, CoordinationTimeoutError
-from ftdist.lighthouse.types import LighthouseEvent, Quorum
+from ftdist.lighthouse.connection import Connection
+from ftdist.lighthouse.event_stream import LighthouseEventStream
+from ftdist.lighthouse.following import (
+    MOST_PAUSE_S,
+    MOST_REPLICAS,
+    Replica,
+    Search,
+    describe,
+    leader_hint,
+    parse_addresses,
+)
+from ftdist.lighthouse.types import Quorum
 
-__all__ = ["LighthouseClient", "LighthouseEventStream"]
+__all__ = ["LighthouseClient", "LighthouseEventStream", "parse_addresses"]
+
+logger = logging.getLogger(__name__)
 
 _DEFAULT_HEARTBEAT_TIMEOUT = timedelta(seconds=5)
 _DEFAULT_STATUS_TIMEOUT = timedelta(seconds=5)
@@ -61,103 +103,13 @@ _DEFAULT_STATUS_TIMEOUT = timedelta(seconds=5)
 _RENEW_POLL_S = 0.25
 
 
-class LighthouseEventStream:
-    """An open failure-news stream; iterate it for :class:`LighthouseEvent`.
-
-    The first event is always ``"subscribed"``. Iteration blocks until the next
-    event, ends after :meth:`close` (from any thread), and raises
-    :class:`~ftdist.errors.CoordinationError` if the lighthouse goes away.
-    """
-
-    def __init__(self, call: Any, what: str) -> None:
-        self._call = call
-        self._what = what
-        self._closed = False
-
-    def __iter__(self) -> Iterator[LighthouseEvent]:
-        return self
-
-    def __next__(self) -> LighthouseEvent:
-        """Wait for the next event.
-
-        Raises:
-            StopIteration: after :meth:`close`.
-            CoordinationError: if the stream broke (the lighthouse stopped).
-        """
-        try:
-            message = next(self._call)
-        except grpc.RpcError as exc:
-            if self._closed:
-                raise StopIteration from None
-            raise _rpc.map_rpc_error(exc, self._what) from exc
-        return LighthouseEvent.from_proto(message)
-
-    def close(self) -> None:
-        """End the stream; a blocked iteration stops. Idempotent."""
-        self._closed = True
-        self._call.cancel()
-
-    def __enter__(self) -> LighthouseEventStream:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-
-class _Connection:
-    """One channel to the lighthouse and the calls made on it."""
-
-    def __init__(self, addr: str, tls: Any, keepalive_s: float | None = None) -> None:
-        # A channel of its own (no subchannel shared with other channels to
-        # the same address), so that a renewed connection is really new.
-        extra: dict[str, int] = {"grpc.use_local_subchannel_pool": 1}
-        if keepalive_s is not None:
-            ms = max(1, round(keepalive_s * 1000))
-            extra.update(
-                {
-                    "grpc.keepalive_time_ms": ms,
-                    "grpc.keepalive_timeout_ms": ms,
-                    "grpc.keepalive_permit_without_calls": 1,
-                    # An idle stream sends no data: keep pinging regardless.
-                    "grpc.http2.max_pings_without_data": 0,
-                }
-            )
-        options = [(k, v) for k, v in _rpc.client_channel_options() if k not in extra]
-        self.channel = open_channel(addr, [*options, *extra.items()], tls)
-        # When this connection last showed it works (connected, or answered).
-        self.alive_at = float("-inf")
-        self.quorum = self.channel.unary_unary(
-            _rpc.LIGHTHOUSE_QUORUM,
-            request_serializer=torchft_pb2.LighthouseQuorumRequest.SerializeToString,
-            response_deserializer=torchft_pb2.LighthouseQuorumResponse.FromString,
-        )
-        self.heartbeat = self.channel.unary_unary(
-            _rpc.LIGHTHOUSE_HEARTBEAT,
-            request_serializer=torchft_pb2.LighthouseHeartbeatRequest.SerializeToString,
-            response_deserializer=torchft_pb2.LighthouseHeartbeatResponse.FromString,
-        )
-        self.subscribe = self.channel.unary_stream(
-            _rpc.EVENTS_SUBSCRIBE,
-            request_serializer=ftdist_pb2.SubscribeRequest.SerializeToString,
-            response_deserializer=ftdist_pb2.LighthouseEvent.FromString,
-        )
-        self.status = self.channel.unary_unary(
-            _rpc.EVENTS_STATUS,
-            request_serializer=ftdist_pb2.StatusRequest.SerializeToString,
-            response_deserializer=ftdist_pb2.StatusResponse.FromString,
-        )
-        self.leave = self.channel.unary_unary(
-            _rpc.EVENTS_LEAVE,
-            request_serializer=ftdist_pb2.LeaveRequest.SerializeToString,
-            response_deserializer=ftdist_pb2.LeaveResponse.FromString,
-        )
-
-
 class LighthouseClient:
     """Client of a lighthouse.
 
     Args:
-        addr: the lighthouse address, ``host:port`` or ``http://host:port``.
+        addr: the lighthouse address, ``host:port`` or ``http://host:port``;
+            several, comma-separated, for the replicas of a replicated
+            lighthouse (see the module's documentation).
         connect_timeout: how long to keep trying to connect (a timedelta or
             seconds), now and after the lighthouse goes away.
         token: the job token sent with every call (default
@@ -173,7 +125,8 @@ class LighthouseClient:
             frequent pings).
 
     Raises:
-        ValueError: if the address, timeout or token is malformed.
+        ValueError: if the address, timeout or token is malformed (an
+            address list: an entry empty, malformed or given twice).
         OSError: if a token or TLS file cannot be read.
         CoordinationError: if the lighthouse cannot be reached in time.
     """
@@ -194,23 +147,35 @@ class LighthouseClient:
             else timedelta(seconds=connect_timeout)
         )
         self._connect_s = to_seconds(connect_timeout, "connect_timeout")
-        self._target = _rpc.grpc_target(addr)
+        addresses = parse_addresses(addr)
+        self._replicated = len(addresses) > 1
         self._metadata = call_metadata(job_token(token))
+        if self._replicated:
+            self._metadata = (*(self._metadata or ()), (_rpc.FOLLOW_LEADER_METADATA, "1"))
         self._tls = tls_files(ca=tls_ca)
         self._keepalive_s = None if keepalive is None else to_seconds(keepalive, "keepalive")
-        self._conn = _Connection(addr, self._tls, self._keepalive_s)
+        # One address is used as given, as it always was.
+        self._replicas = [Replica(a) for a in addresses] if self._replicated else [Replica(addr)]
+        self._current = self._replicas[0]
+        if not self._replicated:
+            self._current.conn = Connection(addr, self._tls, self._keepalive_s)
         self._lock = threading.Lock()  # one connect waiter at a time
-        # Guards _conn and _closed; never held while waiting on the network,
-        # so a renewal is not stuck behind a connect that waits.
+        # Guards _replicas, _current, each replica's conn and _closed; never
+        # held while waiting on the network, so a renewal is not stuck
+        # behind a connect that waits.
         self._conn_lock = threading.Lock()
         self._closed = False
+        self._closing = threading.Event()  # ends the pauses of an election wait
         # False after a call found the lighthouse unreachable: the next call
         # first reconnects, with backoff, for up to connect_timeout (the
         # lighthouse may be restarting). grpc's connectivity watcher is not
         # used for this: it races with channel.close() in grpcio.
         self._connected = False
         try:
-            self._ensure_connected(self._connect_s, "connect")
+            if self._replicated:
+                self._connect_any()
+            else:
+                self._ensure_connected(self._connect_s, "connect")
         except BaseException:
             self.close()
             raise
@@ -219,8 +184,10 @@ class LighthouseClient:
         """Close the connection; later calls fail. Idempotent."""
         with self._conn_lock:
             self._closed = True
-            conn = self._conn
-        conn.channel.close()
+            conns = [r.conn for r in self._replicas if r.conn is not None]
+        self._closing.set()
+        for conn in conns:
+            conn.channel.close()
 
     def renew_connection(self, silent_since: float | None = None) -> None:
         """Drop the current connection and open a new one for the next call.
@@ -232,19 +199,22 @@ class LighthouseClient:
         connection sends its SYN now. Calls still waiting on the old
         connection fail (``CoordinationError``) instead of waiting for it.
 
+        With several replicas, the current replica's connection is renewed.
+
         Args:
             silent_since: renew only if the connection has shown no sign of
                 life (a connect, an answer) since this ``time.monotonic()``
                 instant; None renews in any case.
         """
         with self._conn_lock:
-            if self._closed:
+            replica, old = self._current, self._current.conn
+            if self._closed or old is None:
                 return
-            if silent_since is not None and self._conn.alive_at >= silent_since:
+            if silent_since is not None and old.alive_at >= silent_since:
                 # Another call got through meanwhile: the connection works
                 # (closing it would cancel that call, a quorum it waits for).
                 return
-            old, self._conn = self._conn, _Connection(self.addr, self._tls, self._keepalive_s)
+            replica.conn = Connection(replica.addr, self._tls, self._keepalive_s)
             self._connected = False
         # Closing a channel can block for a while (it cancels its calls):
         # never on the caller's path, which is a heartbeat or a quorum round.
@@ -371,14 +341,33 @@ class LighthouseClient:
             The stream; its first event is ``"subscribed"``. Close it when done.
 
         Raises:
-            CoordinationError: if the lighthouse cannot be reached.
+            CoordinationError: if the lighthouse cannot be reached (with
+                several replicas: when the stream is read).
         """
-        self._ensure_connected(self._connect_s, "Subscribe")
-        call = self._conn.subscribe(
-            ftdist_pb2.SubscribeRequest(replica_id=replica_id, listener=listener),
-            metadata=self._metadata,
-        )
-        return LighthouseEventStream(call, f"event stream from lighthouse at {self.addr}")
+        request = ftdist_pb2.SubscribeRequest(replica_id=replica_id, listener=listener)
+        what = f"event stream from lighthouse at {self.addr}"
+        if not self._replicated:
+            self._ensure_connected(self._connect_s, "Subscribe")
+            call = self._conn_of(self._current).subscribe(request, metadata=self._metadata)
+            return LighthouseEventStream(call, what)
+        search = Search("event stream from", math.inf, None)
+        replica = self._current
+        conn = self._conn_of(replica)
+        call = conn.subscribe(request, metadata=self._metadata)
+
+        def follow(exc: grpc.RpcError, reopen: bool) -> Any:
+            nonlocal replica, conn
+            if not reopen:
+                self._move_after(replica, conn, exc, search)
+                return None
+            if search.deadline == math.inf:  # reopening is connecting: connect_timeout
+                search.deadline = time.monotonic() + self._connect_s
+            self._recover(search, replica, conn, exc)
+            replica = self._current
+            conn = self._conn_of(replica)
+            return conn.subscribe(request, metadata=self._metadata)
+
+        return LighthouseEventStream(call, what, follow)
 
     def leave(self, replica_id: str, timeout: timedelta | float = _DEFAULT_STATUS_TIMEOUT) -> bool:
         """Tell the lighthouse that ``replica_id`` leaves the job for good.
@@ -419,6 +408,8 @@ class LighthouseClient:
         (:func:`ftdist.lighthouse.status.build_status`): the current
         quorum and its members, parked requests, heartbeat ages and why the
         next quorum is or is not ready. Newer lighthouses may add keys.
+        With several replicas, the current one is asked, then the others
+        (a follower may answer itself or name the leader).
 
         Args:
             timeout: how long to wait (a timedelta or seconds).
@@ -471,7 +462,7 @@ class LighthouseClient:
             self._connect_failed(wait_s, what, None)
         try:
             while not self._connected:
-                conn = self._conn
+                conn = self._conn_of(self._current)
                 ready = grpc.channel_ready_future(conn.channel)
                 # Waited in slices: a renewed connection (renew_connection)
                 # replaces the one waited on, and the wait moves to it.
@@ -481,17 +472,17 @@ class LighthouseClient:
                         ready.result(timeout=max(0.0, min(left, _RENEW_POLL_S)))
                         break
                     except grpc.FutureTimeoutError as exc:
-                        if self._conn is not conn:
+                        if self._current.conn is not conn:
                             ready.cancel()
                             break
                         if left <= _RENEW_POLL_S:
                             ready.cancel()  # stops grpc's connectivity polling for it
                             self._connect_failed(wait_s, what, exc)
                     except ValueError as exc:  # the channel was closed
-                        if self._conn is not conn:
+                        if self._current.conn is not conn:
                             break  # renewed meanwhile: wait for the new one
                         raise CoordinationError(f"client of {self.addr} is closed") from exc
-                if self._conn is conn:
+                if self._current.conn is conn:
                     conn.alive_at = time.monotonic()
                     self._connected = True
         finally:
@@ -510,13 +501,15 @@ class LighthouseClient:
         ) from cause
 
     def _call(self, name: str, request: Any, timeout_s: float, method: str) -> Any:
+        if self._replicated:
+            return self._call_replicated(name, request, timeout_s, method)
         what = f"{method} call to lighthouse at {self.addr}"
         deadline = time.monotonic() + timeout_s
         resent = False
         while True:
             remaining = max(0.001, deadline - time.monotonic())
             self._ensure_connected(min(self._connect_s, remaining), what)
-            conn = self._conn
+            conn = self._conn_of(self._current)
             try:
                 response = getattr(conn, name)(
                     request,
@@ -539,3 +532,186 @@ class LighthouseClient:
                 raise _rpc.map_rpc_error(exc, what) from exc
             except ValueError as exc:  # the channel was closed
                 raise CoordinationError(f"client of {self.addr} is closed") from exc
+
+    def _conn_of(self, replica: Replica) -> Connection:
+        with self._conn_lock:
+            if self._closed:
+                raise CoordinationError(f"client of {self.addr} is closed")
+            if replica.conn is None:  # a replica is connected when first used
+                replica.conn = Connection(replica.addr, self._tls, self._keepalive_s)
+            return replica.conn
+
+    # -- several replicas: following the leader -------------------------------
+
+    def _connect_any(self) -> None:
+        # All replicas at once: a dead one must not hold up the others.
+        arrived = threading.Event()
+        waits = []
+        for replica in self._replicas:
+            ready = grpc.channel_ready_future(self._conn_of(replica).channel)
+            ready.add_done_callback(lambda _: arrived.set())
+            waits.append((replica, ready))
+        deadline = time.monotonic() + self._connect_s
+        try:
+            while True:
+                up = [r for r, ready in waits if ready.done() and not ready.cancelled()]
+                if up:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CoordinationError(
+                        f"failed to connect to any lighthouse replica of {self.addr} within "
+                        f"{self._connect_s:g} s; check the addresses and that the lighthouse "
+                        "is running, or raise connect_timeout"
+                    )
+                arrived.wait(left)
+        finally:
+            for _, ready in waits:
+                ready.cancel()  # stops grpc's connectivity polling for it
+        # The leader is not known before a call asks: the first listed of
+        # those up is as good a guess as any. The other channels stay open
+        # for the moves to come (and closing one right after its connectivity
+        # watch was cancelled races with grpc's polling thread).
+        with self._conn_lock:
+            self._current = up[0]
+            chosen = up[0].conn
+        if chosen is not None:
+            chosen.alive_at = time.monotonic()
+
+    def _call_replicated(self, name: str, request: Any, timeout_s: float, method: str) -> Any:
+        search = Search(f"{method} call to", time.monotonic() + timeout_s, timeout_s)
+        while True:
+            replica = self._current
+            conn = self._conn_of(replica)
+            try:
+                response = getattr(conn, name)(
+                    request,
+                    timeout=max(0.001, search.deadline - time.monotonic()),
+                    metadata=self._metadata,
+                )
+            except grpc.RpcError as exc:
+                self._recover(search, replica, conn, exc)
+                continue
+            except ValueError as exc:  # the channel was closed
+                if self._closed or replica.conn is conn:
+                    raise CoordinationError(f"client of {self.addr} is closed") from exc
+                continue  # renewed before the call left: send it on the new one
+            conn.alive_at = time.monotonic()
+            return response
+
+    def _recover(
+        self, search: Search, replica: Replica, conn: Connection, exc: grpc.RpcError
+    ) -> None:
+        """After ``exc`` from ``replica``: move on and return when to try again, or raise."""
+        how = self._move_after(replica, conn, exc, search)
+        if how is None:
+            raise _rpc.map_rpc_error(exc, f"{search.what} lighthouse at {replica.addr}") from exc
+        now = time.monotonic()
+        search.last = f"{replica.addr}: {describe(exc)}"
+        if how == "unreachable":
+            if search.unreachable_since is None:
+                search.unreachable_since = now
+        else:
+            search.unreachable_since = None
+            conn.alive_at = now
+        limit = search.deadline
+        if search.unreachable_since is not None:
+            limit = min(limit, search.unreachable_since + self._connect_s)
+        search.hops += 1
+        # Moves go at once, but a round of replicas that all failed (or told
+        # each other's names) means waiting, as does an election.
+        if how != "election" and search.hops < len(self._replicas) and now < limit:
+            return
+        self._closing.wait(max(0.0, min(search.pause_s, limit - now)))
+        search.pause_s = min(2 * search.pause_s, MOST_PAUSE_S)
+        search.hops = 0
+        search.pauses += 1
+        if time.monotonic() < limit:
+            return
+        if search.timeout_s is not None and limit == search.deadline:
+            # The tail is torchft's wording for a timeout (see map_rpc_error).
+            raise CoordinationTimeoutError(
+                f"{search.what} lighthouse at {self.addr} timed out after "
+                f"{search.timeout_s:g} s without reaching its leader (last: {search.last}) "
+                '(status: Cancelled, message: "Timeout expired")'
+            ) from exc
+        raise CoordinationError(
+            f"{search.what} lighthouse at {self.addr} failed: no replica "
+            f"{'reachable' if how == 'unreachable' else 'led'} for {self._connect_s:g} s "
+            f"(last: {search.last}); check the addresses and that the lighthouse is running, "
+            "or raise connect_timeout"
+        ) from exc
+
+    def _move_after(
+        self, replica: Replica, conn: Connection, exc: grpc.RpcError, search: Search
+    ) -> str | None:
+        """Move the client away from ``replica`` after ``exc`` if it calls for that.
+
+        Returns:
+            Why: "redirect" (to the leader named), "election" (none named),
+            "unreachable" (or stopped during the call), "renewed" (the
+            connection was renewed under the call; stay), or None: ``exc``
+            is the call's own failure.
+        """
+        # Rounds of a long wait are logged once: each pause would log again.
+        quiet = search.pauses > 0
+        hint = leader_hint(exc)
+        if hint is not None:
+            leader = self._replica_named(hint, replica) if hint else None
+            if leader is None or leader is replica:
+                self._move(
+                    replica,
+                    self._next_of(replica),
+                    "it is not the leader and names none (an election?)",
+                    quiet,
+                )
+                return "election"
+            self._move(replica, leader, "it is not the leader and names that one", False)
+            return "redirect"
+        code = exc.code() if isinstance(exc, grpc.Call) else None
+        if code is grpc.StatusCode.CANCELLED and not self._closed and replica.conn is not conn:
+            return "renewed"
+        # A lighthouse cancels a call only when it stops with the call in
+        # flight (grpc's server stop): as good as unreachable.
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and not self._closed:
+            self._move(replica, self._next_of(replica), f"unavailable: {describe(exc)}", quiet)
+            return "unreachable"
+        return None
+
+    def _move(self, old: Replica, new: Replica, why: str, quiet: bool) -> None:
+        with self._conn_lock:
+            # Another thread may have moved on from the same failure already.
+            if self._current is not old or new is old:
+                return
+            self._current = new
+        logger.log(
+            logging.DEBUG if quiet else logging.INFO,
+            "lighthouse client of %s: moving from replica %s to %s: %s",
+            self.addr,
+            old.addr,
+            new.addr,
+            why,
+        )
+
+    def _next_of(self, replica: Replica) -> Replica:
+        with self._conn_lock:
+            return self._replicas[(self._replicas.index(replica) + 1) % len(self._replicas)]
+
+    def _replica_named(self, hint: str, informer: Replica) -> Replica | None:
+        try:
+            target = _rpc.grpc_target(hint)
+        except ValueError:
+            logger.warning("lighthouse replica %s names a malformed leader %r", informer.addr, hint)
+            return None
+        with self._conn_lock:
+            for replica in self._replicas:
+                if replica.target == target:
+                    return replica
+            if len(self._replicas) >= MOST_REPLICAS:
+                return None
+            # A replica reached under another name than the one listed; it
+            # is reached the same way as the replica that named it.
+            tls = informer.addr.startswith("https://")
+            replica = Replica(("https://" if tls else "http://") + target)
+            self._replicas.append(replica)
+            return replica

@@ -9,11 +9,20 @@ A small HTTP server next to the lighthouse, for people and for monitoring:
     every second: the current quorum (id, age, members with step, manager and
     store address, world size; members behind the max step are marked
     ``recovering``), why the next quorum is or is not ready, and heartbeat ages.
+    A replica of a replicated lighthouse adds a "Lighthouse replicas" panel:
+    the job, this replica and its role, the leader (linked to its
+    dashboard), every live replica, the etcd endpoints' health, the lease and
+    why this replica serves or not, and the failover history. A follower
+    holds no quorum: a notice at the top says so and links to the leader's
+    dashboard.
 ``GET /status.json``
     The same data as JSON (:func:`~ftdist.lighthouse.status.build_status`).
 ``GET /metrics``
     Prometheus text format: quorum id, members, heartbeating replicas, waiting
-    requests, totals and the quorum latency histogram.
+    requests, totals and the quorum latency histogram; on a replica of a
+    replicated lighthouse also whether it leads and serves, the replicas and
+    failovers etcd holds, its lease's time left and each etcd endpoint's
+    health.
 ``POST /replica/<replica_id>/kill``
     Calls that member's manager ``Kill`` RPC, as torchft's dashboard does. It
     is off unless the lighthouse has a job token or a ``kill_token``, and then
@@ -42,7 +51,18 @@ Page hooks for browser tests: ``#quorum-id``, ``#num-members``,
 fields ``.rid``, ``dd.step``, ``dd.manager``, ``dd.store``,
 ``dd.world-size``, ``dd.heartbeat-age``), ``#heartbeats`` with one
 ``.heartbeat[data-replica-id]`` each (class ``old`` when expired),
-``button.kill[data-replica-id]`` and the ``#kill-token`` input.
+``button.kill[data-replica-id]`` and the ``#kill-token`` input. Replicated
+only (``#replication`` and ``#follower-notice`` are hidden otherwise):
+``#repl-job``, ``#repl-self``, ``#repl-role``, ``#repl-leader``,
+``#repl-lease``, ``#repl-serving``, ``#repl-error``, ``#follower-notice``
+(with ``a#leader-link`` when the leader's dashboard is known), ``#replicas``
+with one ``tr.replica[data-name]`` per replica (classes ``role-<role>``,
+``self`` for this one; cells ``td.name``, ``td.role``, ``td.address``,
+``td.dashboard``), ``#etcd`` with one ``tr.etcd-member[data-endpoint]`` per
+endpoint (class ``down`` when its probe failed; cells ``td.health``,
+``td.version``, ``td.raft``, ``td.latency``) and ``#failovers`` with one
+``tr.failover`` per record, newest first (``td.time``, ``td.leader``,
+``td.previous``).
 """
 
 from __future__ import annotations

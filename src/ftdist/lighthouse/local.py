@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
+from ftdist._auth import job_token
 from ftdist._durations import to_seconds
 from ftdist.errors import CoordinationError
 
@@ -52,6 +53,7 @@ class LocalLighthouseReplicas:
         extra_args: more ``ftdist lighthouse`` flags, e.g.
             ``["--join-timeout-ms", "100", "--lease-ttl-ms", "2000"]``.
         env: extra environment variables for the replicas.
+        host: the address each replica binds (and clients dial).
 
     Raises:
         ValueError: ``count`` out of range.
@@ -67,12 +69,14 @@ class LocalLighthouseReplicas:
         log_dir: str | os.PathLike[str] | None = None,
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 7:
             raise ValueError(f"count must be 1 to 7 replicas, got {count!r}")
         self.etcd = etcd
         self.job = job
         self.count = count
+        self.host = host
         self._min_replicas = min_replicas
         self.log_dir = (
             os.fspath(log_dir)
@@ -163,7 +167,8 @@ class LocalLighthouseReplicas:
         if self.pid(i) is None:
             return None
         try:
-            with LighthouseClient(self.addresses[i], _STATUS_TIMEOUT_S) as client:
+            token = job_token(None, self._env)
+            with LighthouseClient(self.addresses[i], _STATUS_TIMEOUT_S, token=token) as client:
                 return client.status(_STATUS_TIMEOUT_S)
         except (CoordinationError, TimeoutError):
             return None
@@ -247,7 +252,7 @@ class LocalLighthouseReplicas:
             "ftdist",
             "lighthouse",
             "--bind",
-            f"127.0.0.1:{port}",
+            f"{self.host}:{port}",
             "--http-port",
             "0",
             "--min-replicas",

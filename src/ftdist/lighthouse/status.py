@@ -191,4 +191,55 @@ def render_metrics(status: dict[str, Any]) -> str:
         lines.append(f'{name}_bucket{{le="{le}"}} {count}')
     lines.append(f"{name}_sum {hist['sum']:.6f}")
     lines.append(f"{name}_count {hist['count']}")
+    replication = status.get("replication")
+    if replication is not None:
+        # A replicated lighthouse: every replica serves these, so a
+        # scrape of all of them shows which one leads.
+        metric(
+            f"{prefix}_is_leader",
+            "gauge",
+            "1 if this replica is the elected leader of its job's lighthouse, else 0.",
+            1 if replication["role"] == "leader" else 0,
+        )
+        metric(
+            f"{prefix}_serving",
+            "gauge",
+            "1 if this replica answers quorum calls itself (leader, lease valid), else 0.",
+            1 if replication["serving"] else 0,
+        )
+        metric(
+            f"{prefix}_replicas",
+            "gauge",
+            "Live replicas of this job's lighthouse registered in etcd.",
+            len(replication["replicas"]),
+        )
+        # A gauge, not a counter: the records etcd keeps, as many as the
+        # status shows; it neither starts at 0 with this process nor only grows.
+        metric(
+            f"{prefix}_failovers",
+            "gauge",
+            "Leader elections recorded in etcd (the newest 20 at most).",
+            len(replication["failovers"]),
+        )
+        lease = replication["lease"]
+        metric(
+            f"{prefix}_lease_left_seconds",
+            "gauge",
+            "Time left on this replica's etcd lease (0 without one).",
+            lease["left_s"] if lease else 0,
+        )
+        name = f"{prefix}_etcd_up"
+        lines.append(
+            f"# HELP {name} 1 if this replica's last probe of the etcd endpoint succeeded."
+        )
+        lines.append(f"# TYPE {name} gauge")
+        for member in replication["etcd"]:
+            # Label values escape backslash, quote and newline (exposition format).
+            endpoint = (
+                str(member["endpoint"])
+                .replace("\\", "\\\\")
+                .replace('"', '\\"')
+                .replace("\n", "\\n")
+            )
+            lines.append(f'{name}{{endpoint="{endpoint}"}} {1 if member["ok"] else 0}')
     return "\n".join(lines) + "\n"
