@@ -38,6 +38,7 @@ PURE = [
     "chaos/schedule.py",
     "lighthouse/partition.py",
     "lighthouse/leadership.py",
+    "data/plan.py",
 ]
 IMPURE_IMPORTS = {"socket", "threading", "grpc", "torch.distributed", "subprocess", "asyncio"}
 

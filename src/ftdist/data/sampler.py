@@ -1,12 +1,16 @@
 """
-Data sharding across replica groups
-===================================
+torchft's sampler: static shards across replica groups
+======================================================
 
 Each rank of each replica group reads its own shard: the global rank is
-``group_rank + group_world_size * replica_rank``.
+``group_rank + group_world_size * replica_rank``. This is torchft's
+``DistributedSampler``, kept exactly as it is for code written against it.
 
-Under failures this sampling is lossy: the shard of a replica group that is
-down is skipped, not reassigned.
+Under failures this sampling is lossy, as torchft's documentation says: the
+shard of a replica group that is down is skipped, not reassigned, and the
+global batch shrinks with every group that is out.
+:class:`~ftdist.data.exact.ExactSampler` reads every sample exactly once
+with a constant global batch instead (docs/data.md compares them).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.utils.data import Dataset
 from torch.utils.data import distributed as torch_distributed
+
+__all__ = ["DistributedSampler"]
 
 # Every spelling torchft has used, by meaning: the early-2025 wheel
 # (replica_group, rank), mid-2025 examples (replica_group_id, group_rank)
