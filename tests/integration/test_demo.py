@@ -280,3 +280,50 @@ def test_a_replica_late_for_the_last_steps_still_ends_identical(
         if '"heal"' in line
     ]
     assert any(h["role"] == "receive" and h["step"] == stop for h in heals), heals
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_replicated_lighthouse_fails_over_and_the_job_ends_identical(demo: Any) -> None:
+    """`ftdist demo --replicated-lighthouse`: three lighthouse replicas on a local
+    etcd, the leader killed mid-run; every group commits again and ends identical."""
+    from ftdist.etcd.local import find_etcd_binary
+    from tests.etcd_fixtures import NO_ETCD
+
+    if find_etcd_binary() is None:
+        pytest.skip(NO_ETCD)
+    run = demo("--replicated-lighthouse", "--duration", "40", "--plain")
+    _diagnostics.watch_glob(run.out / "lighthouse", "**/*.log", "demo lighthouse log", limit=4000)
+    code, stdout = run.finish(timeout=270)
+    assert code == 0, stdout
+    assert "VERDICT: PASS" in stdout and "lighthouse failovers" in stdout
+    report = run.report()
+    verdict = report["verdict"]
+    assert verdict["ok"] is True, verdict
+    assert len(verdict["hashes"]) == 3 and len(set(verdict["hashes"].values())) == 1
+    assert set(verdict["steps"].values()) == {report["run"]["stop_step"]}
+
+    replicated = report["replicated_lighthouse"]
+    assert len(replicated["replicas"]) == 3
+    assert report["lighthouse"] == ",".join(replicated["replicas"])
+    main = report["run"]
+    failovers = main["failovers"]
+    assert failovers, stdout
+    assert main["failures_injected"]["leader"] == len(failovers)
+    for f in failovers:
+        assert f["error"] is None, f
+        assert f["new_leader"] is not None and f["new_leader"] != f["old_leader"], f
+        # Every group committed again, and the row's wait is the worst group's.
+        assert all(s is not None and s > 0 for s in f["resumed_s"]), f
+        assert f["waited_s"] == max(f["resumed_s"]) and f["elected_s"] is not None
+        assert f["restarted_s"] is not None, "the killed replica came back"
+        new_log = run.out / "lighthouse" / f"lighthouse-{f['new_leader']}.log"
+        assert "is the leader of job" in new_log.read_text(), new_log
+    assert main["unexpected_exits"] == []
+    assert main["steps_committed"] == main["stop_step"]
+    for i in range(3):
+        assert (run.out / "lighthouse" / f"lighthouse-{i}.log").exists()
+        assert (run.out / "lighthouse" / "etcd" / f"m{i}.log").exists()
+    assert (run.out / "report.png").read_bytes().startswith(PNG_MAGIC)
+    # The etcd members and the lighthouse replicas ended with the demo.
+    run.assert_nothing_left()

@@ -93,7 +93,7 @@ def test_report_with_baseline_compares_and_serializes() -> None:
     report = build_report(main, base, {"options": {"seed": 0}})
     json.dumps(report)  # the report is written as JSON
     assert report["verdict"]["ok"] is True
-    assert report["run"]["failures_injected"] == {"total": 1, "kill": 1, "stop": 0}
+    assert report["run"]["failures_injected"] == {"total": 1, "kill": 1, "stop": 0, "leader": 0}
     assert report["comparison"]["steps_compared"] == 10
     assert report["comparison"]["mean_abs_diff_last_steps"] == pytest.approx(0.0)
     text = render_text(report)

@@ -117,3 +117,90 @@ def test_decide_without_plan_or_peer() -> None:
     assert lone.injection is None and "no peer" in lone.reason
     with pytest.raises(ValueError, match="health"):
         schedule.decide(0.0, PLAN, [], 0)
+
+
+# -- the replicated lighthouse's "kill the leader" ------------------------------------------
+
+
+@pytest.mark.parametrize(("duration", "every"), list(itertools.product(DURATIONS, EVERY)))
+def test_leader_kills_fall_halfway_between_the_group_failures(
+    duration: float, every: float
+) -> None:
+    for seed in range(25):
+        groups_only = schedule.plan_injections(seed, duration, every, 5.0)
+        plan = schedule.plan_injections(seed, duration, every, 5.0, leader_kills=True)
+        assert plan == schedule.plan_injections(seed, duration, every, 5.0, True)
+        assert [i.index for i in plan] == list(range(len(plan)))
+        assert [i.at_s for i in plan] == sorted(i.at_s for i in plan)
+        # The groups' failures are those of the plan without the flag.
+        others = [(i.at_s, i.kind, i.hold_s) for i in plan if i.kind != schedule.LEADER]
+        assert others == [(i.at_s, i.kind, i.hold_s) for i in groups_only]
+        leaders = [i for i in plan if i.kind == schedule.LEADER]
+        assert len(leaders) <= schedule.MAX_LEADER_KILLS
+        assert all(i.hold_s == 0 for i in leaders)
+        last = duration - min(5.0, every / 2)
+        bounds = [0.0, *(i.at_s for i in groups_only), last]
+        for leader in leaders:
+            before = max(b for b in bounds if b < leader.at_s)
+            after = min(b for b in bounds if b > leader.at_s)
+            assert leader.at_s == pytest.approx((before + after) / 2, abs=0.006)
+        if len(groups_only) >= 2:
+            # Between two group failures, never before the first or after the last.
+            assert leaders and all(
+                groups_only[0].at_s < i.at_s < groups_only[-1].at_s for i in leaders
+            )
+
+
+def test_default_and_test_plans_kill_the_leader_once_or_twice() -> None:
+    for seed in range(50):
+        for (duration, every), want in (((75, 15), 2), ((40, 15), 1), ((20, 5), {1, 2})):
+            plan = schedule.plan_injections(seed, duration, every, 5.0, leader_kills=True)
+            count = [i.kind for i in plan].count(schedule.LEADER)
+            assert count in (want if isinstance(want, set) else {want}), (seed, plan)
+        plain = schedule.plan_injections(seed, 75, 15, 5.0)
+        assert schedule.LEADER not in [i.kind for i in plain]
+
+
+@pytest.mark.parametrize(
+    ("times", "last", "expected"),
+    [
+        ([], 10.0, [5.0]),  # no group failure: halfway through the run
+        ([4.0], 10.0, [7.0]),  # one: the wider side of it
+        ([2.0, 4.0], 10.0, [3.0]),  # the one gap between two
+        ([2.0, 4.0, 6.0], 10.0, [5.0]),  # the middle of two gaps
+        ([2.0, 4.0, 6.0, 8.0], 10.0, [3.0, 7.0]),  # the first and the last of three
+        ([1.0, 2.0, 3.0, 4.0, 5.0], 6.0, [1.5, 4.5]),
+        ([], -4.0, []),  # a run too short for any failure
+    ],
+)
+def test_leader_times(times: list[float], last: float, expected: list[float]) -> None:
+    assert schedule.leader_times(times, last) == expected
+
+
+LEADER_PLAN = [Injection(0, 10.0, schedule.LEADER), Injection(1, 20.0, schedule.KILL)]
+
+
+@pytest.mark.parametrize("flags", list(itertools.product([True, False], repeat=3)))
+@pytest.mark.parametrize("busy", ["", "lighthouse failover #0 under way"])
+def test_decide_kills_the_leader_only_when_all_is_calm(flags: tuple[bool, ...], busy: str) -> None:
+    decision = schedule.decide(12.0, LEADER_PLAN, _health(*flags), 7, lighthouse_busy=busy)
+    assert decision.victim is None
+    if all(flags) and not busy:
+        assert decision.injection == LEADER_PLAN[0]
+        assert "kill the leader lighthouse (due at 10.0 s, 2.0 s late)" == decision.reason
+    else:
+        assert decision.injection is None
+        assert decision.reason.startswith("leader-lighthouse kill postponed: ")
+        assert ("under way" in decision.reason) == bool(busy)
+        for r, ok in enumerate(flags):
+            assert (f"replica{r} healing" in decision.reason) == (not ok)
+
+
+def test_a_busy_lighthouse_postpones_group_failures_too() -> None:
+    decision = schedule.decide(
+        25.0, LEADER_PLAN[1:], _health(True, True, True), 7, "lighthouse replica 1 not running"
+    )
+    assert decision.injection is None and decision.victim is None
+    assert decision.reason == "kill postponed: lighthouse replica 1 not running"
+    calm = schedule.decide(25.0, LEADER_PLAN[1:], _health(True, True, True), 7)
+    assert calm.injection == LEADER_PLAN[1] and calm.victim is not None

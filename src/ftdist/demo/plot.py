@@ -3,8 +3,10 @@ The demo's picture
 ==================
 
 :func:`write_png` draws the report: the loss over time and the number of
-participating replica groups over time, with each injected failure marked
-(and, with a baseline, both loss curves against the step). It needs
+participating replica groups over time, with each injected failure marked,
+each lighthouse failover as a band from the leader's kill to every group's
+next commit, labelled with the old and new leader and the wait (and, with a
+baseline, both loss curves against the step). It needs
 matplotlib (the ``demo`` extra); without it the demo still writes its JSON
 report and says how to get the picture.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 MISSING = "matplotlib is not installed; `pip install 'ftdist[demo]'` adds the PNG"
+FAILOVER_COLOR = "#73c"
 
 
 def _smooth(values: list[float], window: int = 15) -> list[float]:
@@ -24,6 +27,29 @@ def _smooth(values: list[float], window: int = 15) -> list[float]:
             acc -= values[i - window]
         out.append(acc / min(i + 1, window))
     return out
+
+
+def _draw_failovers(failovers: list[dict[str, Any]], ax_loss: Any, ax_part: Any) -> None:
+    """Each lighthouse failover: a line at the kill, a band while the groups waited."""
+    struck = [f for f in failovers if f["t_s"] is not None]
+    for i, f in enumerate(struck):
+        label = "leader lighthouse SIGKILL" if i == 0 else None
+        ax_loss.axvline(f["t_s"], color=FAILOVER_COLOR, lw=1.2, label=label)
+        ax_part.axvline(f["t_s"], color=FAILOVER_COLOR, lw=1.2)
+        waited = f["waited_s"]
+        if waited is not None:
+            for ax in (ax_loss, ax_part):
+                ax.axvspan(f["t_s"], f["t_s"] + waited, color=FAILOVER_COLOR, alpha=0.15, lw=0)
+        new = "?" if f["new_leader"] is None else f["new_leader"]
+        wait = "never resumed" if waited is None else f"waited {waited:.1f} s"
+        ax_part.annotate(
+            f"leader {f['old_leader']}->{new}, {wait}",
+            (f["t_s"], 0.2),
+            rotation=90,
+            fontsize=7,
+            color=FAILOVER_COLOR,
+            ha="left",
+        )
 
 
 def write_png(report: dict[str, Any], path: str) -> str | None:
@@ -82,6 +108,7 @@ def write_png(report: dict[str, Any], path: str) -> str | None:
         for heal in run["heals"]:
             if heal["role"] == "receive" and heal["step"] > 0 and ax is ax_part:
                 ax.plot([heal["t_s"]], [len(run["replicas"])], marker="o", color="#26c", ms=4)
+    _draw_failovers(run.get("failovers") or [], ax_loss, ax_part)
     ax_loss.legend(loc="upper right", fontsize=8)
     if base:
         ax_cmp = axes[2]

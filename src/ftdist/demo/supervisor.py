@@ -11,7 +11,10 @@ committed step and reports the hash of its state there.
 
 A kill is restarted after ``restart_delay_s``; a SIGSTOP is held for its
 ``hold_s``, then continued, and the hung replica finds itself dropped from
-the quorum and heals like a restarted one.
+the quorum and heals like a restarted one. With a replicated lighthouse
+(:mod:`ftdist.demo.lighthouses`), "kill the leader lighthouse" runs in a
+thread of its own; the supervisor prints its lines, feeds it the step events
+(to see every group commit again) and strikes nothing else meanwhile.
 
 The events are read and applied by :class:`~ftdist.demo.tracking.Tracker`
 (shared with the chaos suite); a replica group of the demo is one trainer,
@@ -29,6 +32,7 @@ from typing import Any
 
 from ftdist.demo import schedule
 from ftdist.demo.events import HealEvent, StepEvent, UpEvent
+from ftdist.demo.lighthouses import LeaderStrike, ReplicatedLighthouse
 from ftdist.demo.tracking import GroupProgress, Tracker, TrainerState
 from ftdist.demo.worker import STOP_KEY, WorkerConfig, replica_main
 from ftdist.launch.ranks import Ranks
@@ -92,6 +96,7 @@ class RunRecord:
     interrupted: bool = False
     injections: list[dict[str, Any]] = field(default_factory=list)
     heals: list[dict[str, Any]] = field(default_factory=list)
+    failovers: list[dict[str, Any]] = field(default_factory=list)
     steps: dict[int, dict[str, Any]] = field(default_factory=dict)
     failed_steps: list[dict[str, Any]] = field(default_factory=list)
     unexpected_exits: list[dict[str, Any]] = field(default_factory=list)
@@ -129,6 +134,8 @@ class Supervisor:
         on_tick: called with the supervisor about four times a second.
         interrupt: the Ctrl-C counter.
         restart_delay_s: between a SIGKILL and the restart.
+        lighthouse: the replicated lighthouse whose leader the plan's
+            ``"leader"`` injections kill (None: the plan has none).
 
     Raises:
         ValueError: neither ``duration_s`` nor ``stop_step`` is given.
@@ -145,6 +152,7 @@ class Supervisor:
         on_tick: Callable[[Supervisor], None],
         interrupt: Interrupt,
         restart_delay_s: float = 1.0,
+        lighthouse: ReplicatedLighthouse | None = None,
     ) -> None:
         if duration_s is None and stop_step is None:
             raise ValueError("give duration_s or stop_step")
@@ -157,6 +165,8 @@ class Supervisor:
         self._on_tick = on_tick
         self._interrupt = interrupt
         self._restart_delay_s = restart_delay_s
+        self._lighthouse = lighthouse
+        self._strikes: list[LeaderStrike] = []
         self._tracker = Tracker(cfg.events_dir, self.record.replicas, self)
         self._t0 = 0.0
         self._last_tick = 0.0
@@ -217,6 +227,9 @@ class Supervisor:
             self._train()
             self._finish()
         finally:
+            for strike in self._strikes:
+                strike.cancel()
+            self._follow_strikes()
             ranks.terminate()
             self._tracker.absorb()
             self.record.ended = time.time()
@@ -231,6 +244,7 @@ class Supervisor:
                 self._say("Ctrl-C: ending the run (press again to stop at once)")
                 return
             self._tracker.absorb()
+            self._follow_strikes()
             now = self.elapsed()
             self._start_clock(now)
             if self.duration_s is not None and self.train_elapsed() >= self.duration_s:
@@ -269,10 +283,15 @@ class Supervisor:
         grace = 20.0 if self.record.interrupted else 45.0
         deadline = time.monotonic() + grace
         if self.record.stop_step is None:
-            while not all(rs.healthy for rs in self.replicas):
+            # A failover under way ends first: its row needs every group's return.
+            while not all(rs.healthy for rs in self.replicas) or not all(
+                s.settled() for s in self._strikes
+            ):
                 if time.monotonic() > deadline or self._interrupt.count > 1 or self._crash_loop:
                     self.record.notes.append(
-                        "not every replica group was back in the quorum when the run ended"
+                        "a lighthouse failover was not over when the run ended"
+                        if all(rs.healthy for rs in self.replicas)
+                        else "not every replica group was back in the quorum when the run ended"
                     )
                     break
                 self._finishing_tick()
@@ -299,6 +318,7 @@ class Supervisor:
             self.record.interrupted = True
             self._say("Ctrl-C: the run is already ending (press again to stop at once)")
         self._tracker.absorb()
+        self._follow_strikes()
         self._maintain(self.elapsed())
         self._tick()
         time.sleep(POLL_S)
@@ -342,7 +362,8 @@ class Supervisor:
         health = [
             schedule.ReplicaHealth(rs.replica, rs.healthy, _why_not(rs)) for rs in self.replicas
         ]
-        decision = schedule.decide(train_now, self.pending, health, self.cfg.seed)
+        busy = self._lighthouse.busy() if self._lighthouse is not None else ""
+        decision = schedule.decide(train_now, self.pending, health, self.cfg.seed, busy)
         if decision.injection is None:
             if "postponed" in decision.reason and decision.reason != self._last_reason:
                 self._say(decision.reason)
@@ -350,6 +371,9 @@ class Supervisor:
             return
         self._last_reason = ""
         injection = self.pending.pop(0)
+        if injection.kind == schedule.LEADER:
+            self._strike_leader(injection)
+            return
         assert decision.victim is not None
         self._strike(injection, self.replicas[decision.victim], now)
 
@@ -384,6 +408,25 @@ class Supervisor:
             rs.state = "killed"
             rs.restart_at = now + self._restart_delay_s
             self._say(f"SIGKILL replica{rs.replica} (pid {rs.pid}) at step {rs.step}")
+
+    def _strike_leader(self, injection: schedule.Injection) -> None:
+        if self._lighthouse is None:
+            self.record.notes.append(
+                f"injection {injection.index} (kill the leader lighthouse) skipped: "
+                "the lighthouse is not replicated"
+            )
+            return
+        strike = self._lighthouse.strike(
+            injection.index, injection.at_s, self._t0, self.cfg.replicas, self.max_step()
+        )
+        self._strikes.append(strike)
+        self.record.failovers.append(strike.entry)
+
+    def _follow_strikes(self) -> None:
+        """Print what the leader strikes did since the last call."""
+        for strike in self._strikes:
+            for line in strike.lines():
+                self._say(line)
 
     def _resume(self, rs: ReplicaState) -> None:
         assert self._ranks is not None
@@ -467,6 +510,11 @@ class Supervisor:
         rs = self.replicas[group]
         rs.quorum_id, rs.participants = event.quorum_id, event.participants
         t_s = round(event.t - self._t0, 3)
+        for strike in self._strikes:
+            # Steps not committed count too: the next one began after them.
+            line = strike.observe(rs.replica, event)
+            if line is not None:
+                self._say(line)
         if not event.ok:
             self.record.failed_steps.append(
                 {"replica": rs.replica, "step": event.step, "t_s": t_s, "error": event.error}
