@@ -281,3 +281,15 @@ def train(
         manager.shutdown()
         pg.shutdown()
         del own_store
+
+
+def assert_one_membership_per_quorum_id(results: list[dict[str, Any]]) -> None:
+    """No quorum id named two memberships, over every trainer's recorded commits."""
+    seen: dict[int, tuple[str, ...]] = {}
+    for result in results:
+        for step, quorum_id, members in result["quorums"]:
+            key = tuple(members)
+            assert seen.setdefault(quorum_id, key) == key, (
+                f"quorum {quorum_id} named two memberships: {seen[quorum_id]} and {key} "
+                f"(step {step})"
+            )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import threading
 import time
 from typing import Any
 
@@ -11,7 +12,7 @@ import pytest
 
 from ftdist.coordination import LighthouseClient, LighthouseServer
 from ftdist.launch.ranks import Ranks
-from tests.integration.ft_training import train
+from tests.integration.ft_training import assert_one_membership_per_quorum_id, train
 from tests.integration.lighthouse_helpers import Lighthouses
 from tests.integration.test_manager import assert_consistent
 
@@ -254,3 +255,61 @@ def test_a_heal_that_loads_incompletely_is_reported_and_never_commits(lighthouse
         "StateDivergenceError",
         "optimizer/param_groups",
     )
+
+
+@pytest.mark.timeout(150)
+def test_a_restarted_lighthouse_never_gives_a_quorum_id_out_again() -> None:
+    # Found by bench/lighthouse_failover.py: a restarted lighthouse counted
+    # ids from 1 again; the group that asked first got "quorum 1" alone, then
+    # both got "quorum 2", which the other group already held (with another
+    # group, under the same store prefix) and so never rebuilt: the first one
+    # waited for it until the collective timeout. Members now report the
+    # last id they used, and a new lighthouse goes on above it.
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100)
+    port = server.port
+    steps = 30
+    actions = {r: {**SLOW} for r in range(2)}
+    try:
+        with Ranks(train, 2, args=(server.address(), 1, steps, actions)) as ranks:
+            deadline = time.monotonic() + 60
+            with LighthouseClient(server.address(), 10) as client:
+                while (client.status().get("quorum") or {}).get("max_step", 0) < 5:
+                    assert time.monotonic() < deadline, "the groups did not reach step 5"
+                    time.sleep(0.05)
+                old_last = client.status()["quorum_id"]
+            server.shutdown()
+            time.sleep(0.5)
+            server = LighthouseServer(bind=f"127.0.0.1:{port}", min_replicas=1, join_timeout_ms=100)
+            # Every id the new lighthouse gives out, from its failure news
+            # (subscribed before the groups, which back off 100 ms, are back).
+            formed: list[int] = []
+            news_client = LighthouseClient(server.address(), 10)
+            news = news_client.subscribe()
+
+            def listen() -> None:
+                for event in news:
+                    if event.kind == "quorum_formed":
+                        formed.append(event.quorum_id)
+
+            listener = threading.Thread(target=listen, name="test-news", daemon=True)
+            listener.start()
+            try:
+                outcomes = ranks.join(timeout=120)
+            finally:
+                news.close()
+                listener.join(timeout=10)
+                news_client.close()
+    finally:
+        server.shutdown()
+    bad = [o for o in outcomes if not o.ok]
+    assert not bad, "\n".join(o.describe() for o in bad)
+    results = [o.value for o in outcomes]
+    # A quorum of one may form while the other group has not found the new
+    # lighthouse yet (min_replicas=1): that group heals forward, so steps
+    # may be skipped; what must hold is one history and no id reused.
+    assert {r["step"] for r in results} == {steps}
+    assert len({r["hash"] for r in results}) == 1, results
+    assert_one_membership_per_quorum_id(results)
+    assert formed, "the new lighthouse formed no quorum"
+    # It went on above the ids its predecessor gave out.
+    assert min(formed) > old_last, (old_last, formed)

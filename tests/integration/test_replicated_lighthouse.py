@@ -30,7 +30,7 @@ from ftdist.launch.ranks import Ranks
 from ftdist.lighthouse.local import LocalLighthouseReplicas
 from tests import _diagnostics
 from tests.etcd_fixtures import etcd_cluster  # noqa: F401
-from tests.integration.ft_training import train
+from tests.integration.ft_training import assert_one_membership_per_quorum_id, train
 from tests.integration.lighthouse_helpers import wait_until
 from tests.integration.test_manager import assert_consistent
 
@@ -89,19 +89,8 @@ def _train_through(
     assert not bad, "\n".join(o.describe() for o in bad) + "\n" + replicas.log_tails()
     results = [o.value for o in outcomes]
     assert_consistent(results, STEPS)
-    _assert_one_membership_per_quorum_id(results)
+    assert_one_membership_per_quorum_id(results)
     return results
-
-
-def _assert_one_membership_per_quorum_id(results: list[dict[str, Any]]) -> None:
-    seen: dict[int, tuple[str, ...]] = {}
-    for result in results:
-        for step, quorum_id, members in result["quorums"]:
-            key = tuple(members)
-            assert seen.setdefault(quorum_id, key) == key, (
-                f"quorum {quorum_id} named two memberships: {seen[quorum_id]} and {key} "
-                f"(step {step})"
-            )
 
 
 def test_training_goes_on_when_the_leader_lighthouse_is_killed(

@@ -16,6 +16,7 @@ from ftdist.lighthouse.quorum import (
     QuorumDecision,
     compute_quorum,
     next_quorum_id,
+    reported_quorum_id,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -412,3 +413,34 @@ def test_join_timeout_counts_from_first_healthy_participant() -> None:
 def test_settings_reject_invalid_values(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         QuorumConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_restarted_lighthouse_goes_on_above_the_ids_its_members_used() -> None:
+    members = [M("a"), M("b")]
+    # A fresh lighthouse whose members used ids up to 5 with its predecessor.
+    decision = next_quorum_id(0, None, members, seen=5)
+    assert decision.quorum_id == 6
+    assert decision.reason == (
+        "Members used quorum ids up to 5 (an earlier lighthouse's): bumping quorum_id to 6"
+    )
+    # Members at the lighthouse's own id change nothing.
+    assert next_quorum_id(6, ("a", "b"), members, seen=6).quorum_id == 6
+    assert next_quorum_id(6, ("a", "b"), members, seen=3).quorum_id == 6
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ('{"quorum_id": 7}', 7),
+        ('{"quorum_id": 7, "unreachable": {}}', 7),
+        ("", 0),
+        ('{"k": 1}', 0),
+        ('{"quorum_id": "7"}', 0),
+        ('{"quorum_id": true}', 0),
+        ('{"quorum_id": -3}', 0),
+        ("not json quorum_id", 0),
+        ('["quorum_id"]', 0),
+    ],
+)
+def test_reported_quorum_ids_are_read_defensively(data: str, expected: int) -> None:
+    assert reported_quorum_id(data) == expected

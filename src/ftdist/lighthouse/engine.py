@@ -43,6 +43,7 @@ from ftdist.lighthouse.quorum import (
     QuorumDecision,
     compute_quorum,
     next_quorum_id,
+    reported_quorum_id,
 )
 from ftdist.lighthouse.streams import StreamWatch
 
@@ -348,7 +349,8 @@ class LighthouseEngine:
 
     def _form(self, members: list[Member], now: float, reason: str) -> None:
         state = self.state
-        id_decision = next_quorum_id(state.quorum_id, state.prev_member_ids, members)
+        seen = max((reported_quorum_id(m.data) for m in members), default=0)
+        id_decision = next_quorum_id(state.quorum_id, state.prev_member_ids, members, seen)
         quorum = torchft_pb2.Quorum(quorum_id=id_decision.quorum_id, participants=members)
         quorum.created.FromNanoseconds(int(self._wall_clock() * 1e9))
         response = torchft_pb2.LighthouseQuorumResponse(quorum=quorum).SerializeToString()

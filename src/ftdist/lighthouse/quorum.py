@@ -31,7 +31,10 @@ The rule is torchft's, reason strings included (tools grep for them):
   quorum forms.
 * The ``quorum_id`` grows by one when the membership (the ordered list of
   replica ids) changes or when a member reports ``commit_failures > 0``, and
-  only then (:func:`next_quorum_id`).
+  only then (:func:`next_quorum_id`); a lighthouse that restarted goes on
+  above the highest id its members report having used (ftdist's managers
+  report it; torchft's do not, and their ids start again from 1 as with
+  torchft's lighthouse).
 
 Members are generic: anything with ``replica_id``, ``shrink_only`` and
 ``commit_failures`` attributes works, so the server hands in its protobuf
@@ -40,13 +43,19 @@ messages unchanged and gets the same objects back.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from ftdist.lighthouse.partition import exclude_partitioned
 
+# The key of a member's ``data`` JSON object that reports the last quorum id
+# its manager used (see next_quorum_id's ``seen``).
+QUORUM_ID_KEY = "quorum_id"
+
 __all__ = [
+    "QUORUM_ID_KEY",
     "LighthouseState",
     "MemberLike",
     "Participant",
@@ -55,6 +64,7 @@ __all__ = [
     "QuorumIdDecision",
     "compute_quorum",
     "next_quorum_id",
+    "reported_quorum_id",
 ]
 
 
@@ -293,7 +303,10 @@ def _without_partitioned(
 
 
 def next_quorum_id(
-    quorum_id: int, prev_member_ids: Sequence[str] | None, members: Sequence[MemberLike]
+    quorum_id: int,
+    prev_member_ids: Sequence[str] | None,
+    members: Sequence[MemberLike],
+    seen: int = 0,
 ) -> QuorumIdDecision:
     """Give a newly formed quorum its id.
 
@@ -301,10 +314,21 @@ def next_quorum_id(
         quorum_id: the previous quorum's id (0 before the first quorum).
         prev_member_ids: the previous quorum's replica ids in order, or None.
         members: the new quorum's members in order.
+        seen: the highest quorum id the members report having used
+            (:func:`reported_quorum_id`). Above ``quorum_id`` it means this
+            lighthouse restarted and has forgotten ids it gave out: the new
+            id goes above it, since managers key their stores by the id and
+            one must never name two memberships.
 
     Returns:
         The new id and, when it grew, why.
     """
+    if seen > quorum_id:
+        return QuorumIdDecision(
+            seen + 1,
+            f"Members used quorum ids up to {seen} (an earlier lighthouse's): "
+            f"bumping quorum_id to {seen + 1}",
+        )
     member_ids = [m.replica_id for m in members]
     if prev_member_ids is None or member_ids != list(prev_member_ids):
         return QuorumIdDecision(
@@ -317,3 +341,19 @@ def next_quorum_id(
             f"Detected commit failures in {failed}, bumping quorum_id to {quorum_id + 1}",
         )
     return QuorumIdDecision(quorum_id, None)
+
+
+def reported_quorum_id(data: str) -> int:
+    """The last quorum id a member's ``data`` JSON reports (``"quorum_id"``), else 0.
+
+    ftdist's managers report it; torchft's send other data (or none), which
+    reads as 0. Anything malformed reads as 0 too.
+    """
+    if not data or QUORUM_ID_KEY not in data:  # cheap: skip parsing most data
+        return 0
+    try:
+        document = json.loads(data)
+    except ValueError:
+        return 0
+    value = document.get(QUORUM_ID_KEY) if isinstance(document, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

@@ -49,6 +49,7 @@ from ftdist._rpc.auth import TokenInterceptor, server_credentials
 from ftdist.errors import CoordinationTimeoutError
 from ftdist.lighthouse.client import LighthouseClient
 from ftdist.lighthouse.partition import REPORT_KEY
+from ftdist.lighthouse.quorum import QUORUM_ID_KEY
 from ftdist.lighthouse.types import Quorum
 from ftdist.manager.client import ManagerClient
 from ftdist.manager.reachability import unreachable_peers
@@ -136,6 +137,9 @@ class ManagerServer:
         # address), and those of them this group last found unreachable.
         self._peers: dict[str, str] = {}
         self._unreachable: dict[str, str] = {}
+        # The highest quorum id this group used, told to the lighthouse: one
+        # that restarted goes on above it instead of giving out ids again.
+        self._quorum_id_seen = 0
 
         self._pool = ThreadPoolExecutor(
             max_workers=2 * world_size + 8, thread_name_prefix="ftdist-mgr"
@@ -335,6 +339,8 @@ class ManagerServer:
                 str(r): json.loads(q.fingerprint) for r, q in requests.items() if q.fingerprint
             }
             data: dict[str, Any] = {"fingerprint": fingerprints} if fingerprints else {}
+            if self._quorum_id_seen:
+                data[QUORUM_ID_KEY] = self._quorum_id_seen
             if len(set(steps.values())) > 1:
                 # Ask to heal even from peers at the reported step: a rank
                 # ahead of it must come back to the group's state.
@@ -347,13 +353,14 @@ class ManagerServer:
             deadline = time.monotonic() + timeout
             for attempt in range(self._quorum_retries + 1):
                 try:
-                    current.quorum = self._ask_lighthouse(
+                    current.quorum = quorum = self._ask_lighthouse(
                         step,
                         data,
                         shrink_only=any(q.shrink_only for q in requests.values()),
                         commit_failures=commit_failures,
                         deadline=deadline,
                     )
+                    self._quorum_id_seen = max(self._quorum_id_seen, quorum.quorum_id)
                     break
                 except Exception as exc:
                     if attempt == self._quorum_retries or time.monotonic() >= deadline:
