@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from ftdist.launch.ranks import RankContext, RankFailure, Ranks, run_ranks
+from ftdist.launch.ranks import RankContext, RankFailure, Ranks
 from tests import _diagnostics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -123,10 +123,15 @@ def rank_one_hangs_in_a_function_with_a_unique_name() -> None:
     time.sleep(600)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_a_hung_rank_s_stack_is_in_the_rank_failure_and_the_snapshot() -> None:
-    with pytest.raises(RankFailure) as info:
-        run_ranks(hung_rank, 2, timeout=3)
+    # The join starts once rank 1 hangs: on a loaded machine (the soak) a
+    # rank can still be importing after a fixed few seconds, and its stack
+    # would show the import instead.
+    with pytest.raises(RankFailure) as info, Ranks(hung_rank, 2) as ranks:
+        ranks.parent_store().wait(["ready"], timedelta(seconds=30))
+        time.sleep(0.5)  # out of the store call, into the function
+        ranks.results(timeout=5)
     message = str(info.value)
     assert "rank 1 was still running and was killed; its stack:" in message, message
     assert "in rank_one_hangs_in_a_function_with_a_unique_name" in message, message

@@ -36,7 +36,7 @@ forwarding the call; the client then moves there itself:
 * A call goes to the current replica. "Not the leader" sends it at once to
   the leader named (added to the replicas if listed under another name);
   while no leader is named (an election), to the next replica after a
-  pause growing from 50 ms to 500 ms. An unreachable replica, or one shutting
+  pause growing from 50 ms to 200 ms. An unreachable replica, or one shutting
   down, sends it at once to the next one.
 * A call in flight when its replica dies or steps down is sent again to
   the new leader: a failover does not fail a quorum or heartbeat, hence a
