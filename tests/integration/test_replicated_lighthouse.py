@@ -144,6 +144,10 @@ def test_a_leader_woken_after_its_lease_expired_forms_no_quorum(
         replicas.signal(old, signal.SIGCONT)
 
     _train_through(replicas, strike)
+    # Woken, it saw every heartbeat stale: it must not have reported the
+    # members dead (their groups would abort their collectives on it).
+    log = Path(replicas.log_path(old)).read_text()
+    assert "failed: no heartbeat" not in log, log[-3000:]
     # The woken replica follows; it answers nothing itself.
     document = replicas.status(old)
     assert document is not None

@@ -157,3 +157,46 @@ def test_text_and_table_carry_the_figures() -> None:
     assert "| hangs | none |" in table
     text = report.render_text(rep)
     assert "VERDICT: PASS" in text and "group2/rank1: b" in text
+
+
+def test_control_plane_rows_name_their_victim_and_who_led_after() -> None:
+    rec = _record(SAME)
+    rec.injections += [
+        _injection(
+            schedule.KILL_LEADER_LIGHTHOUSE, 1010.0, 1010.0, 1012.5, group=None, replica=2,
+            new_leader=0, failover_s=2.2, detail="leader replica 2 SIGKILLed",
+        ),
+        _injection(
+            schedule.KILL_ETCD_MEMBER, 1020.0, 1020.0, 1020.3, group=None, member=1, index=1,
+        ),
+    ]  # fmt: skip
+    meta = {"groups": 3, "group_size": 2, "seed": 0, "clock_s": 600.0}
+    rep = report.build_report(rec, [], meta)
+    assert rep["verdict"]["ok"], rep["verdict"]
+    kill = rep["by_kind"][schedule.KILL_LEADER_LIGHTHOUSE]
+    assert (kill["struck"], kill["recover_worst_s"]) == (1, 2.5)
+    table = report.figures_table(rep)
+    assert "| kill-leader-lighthouse: 1 struck | recover worst 2.5 s" in table
+    assert "| kill-etcd-member: 1 struck | recover worst 0.3 s" in table
+    text = report.render_text(rep)
+    assert "lh2" in text and "etcd m1" in text and "replica 0 leads anew 2.2 s later" in text
+
+
+def test_a_quorum_id_conflict_or_a_control_plane_error_fails_the_verdict() -> None:
+    meta = {"groups": 3, "group_size": 2, "seed": 0, "clock_s": 600.0}
+    good = {"ok": True, "reason": "120 commits under 2 quorum ids", "conflicts": []}
+    rep = report.build_report(_record(SAME), [], meta, good)
+    assert rep["verdict"]["ok"] and rep["quorums"] == good
+    assert "| quorum ids | consistent: 120 commits" in report.figures_table(rep)
+    conflict = {"step": 3, "quorum_id": 4, "memberships": []}
+    bad = {"ok": False, "reason": "1 step(s) committed under two quorums", "conflicts": [conflict]}
+    rep = report.build_report(_record(SAME), [], meta, bad)
+    assert not rep["verdict"]["ok"]
+    assert "quorum ids: 1 step(s)" in " | ".join(rep["verdict"]["problems"])
+    assert "| quorum ids | VIOLATED" in report.figures_table(rep)
+    assert "QUORUM CONFLICT" in report.render_text(rep)
+    rec = _record(SAME)
+    rec.control_errors.append("kill-etcd-member #3: etcd member m1 restarted FAILED: boom")
+    rep = report.build_report(rec, [], meta)
+    assert not rep["verdict"]["ok"] and "control plane" in rep["verdict"]["problems"][0]
+    assert "CONTROL PLANE: kill-etcd-member #3" in report.render_text(rep)

@@ -76,6 +76,7 @@ def test_seeds_give_different_plans() -> None:
         ({"gap_s": (0.0, 1.0)}, "gap_s"),
         ({"gap_s": (3.0, 1.0)}, "gap_s"),
         ({"kinds": ("explode",)}, "kinds"),
+        ({"kinds": ("kill", "lighthouse-explode")}, "kinds"),
         ({"kinds": ()}, "kinds"),
     ],
 )
@@ -100,7 +101,7 @@ def test_nothing_left_to_do() -> None:
     assert schedule.decide(100.0, [], healthy(3), 0.0).action == "wait"
 
 
-@pytest.mark.parametrize("kind", schedule.KINDS)
+@pytest.mark.parametrize("kind", schedule.ALL_KINDS)
 def test_a_strike_names_the_rank_only_for_kills_and_stops(kind: str) -> None:
     d = schedule.decide(50.0, [Injection(0, 1.0, kind, group=5, rank=1)], healthy(3), 0.0)
     assert d.action == "strike" and d.group == 5 % 3
@@ -167,3 +168,73 @@ def test_an_armed_injection_comes_before_the_next_one() -> None:
     pending = [Injection(1, 1.0, schedule.KILL)]
     d = schedule.decide(30.0, pending, healthy(3), 0.0, armed)
     assert d.action == "wait" and "waiting for group 1" in d.reason
+
+
+# -- the control-plane kinds (a replicated lighthouse) ---------------------------------------
+
+
+def test_the_replicated_kinds_put_the_control_plane_in_place_of_the_lighthouse() -> None:
+    assert schedule.LIGHTHOUSE not in schedule.REPLICATED_KINDS
+    assert set(schedule.REPLICATED_KINDS) == (set(schedule.KINDS) - {schedule.LIGHTHOUSE}) | set(
+        schedule.CONTROL_PLANE
+    )
+    assert set(schedule.ALL_KINDS) == set(schedule.KINDS) | set(schedule.CONTROL_PLANE)
+    # An ordered first round still ends with the partitions, the slowest to recover.
+    assert schedule.REPLICATED_KINDS[-3:] == schedule.PARTITIONS
+
+
+@pytest.mark.parametrize("duration", [90, 600])
+def test_replicated_plans_hold_every_kind_with_its_victim_and_hold(duration: int) -> None:
+    for seed in range(20):
+        plan = schedule.plan(seed, duration, 3, 2, schedule.REPLICATED_KINDS, (3.0, 6.0))
+        first = [i.kind for i in plan[: len(schedule.REPLICATED_KINDS)]]
+        assert set(first) == set(schedule.REPLICATED_KINDS), first
+        for i in plan:
+            low, high = schedule.HOLDS.get(i.kind, (0.0, 0.0))
+            assert low - 0.006 <= i.hold_s <= high + 0.006, i
+            if i.kind == schedule.KILL_ETCD_MEMBER:
+                assert 0 <= i.member < schedule.ETCD_MEMBERS
+            else:
+                assert i.member == 0, i
+        assert {i.member for i in plan if i.kind == schedule.KILL_ETCD_MEMBER} <= {0, 1, 2}
+
+
+def test_a_leader_is_stopped_or_cut_past_its_lease() -> None:
+    for kind in (schedule.STOP_LEADER_LIGHTHOUSE, schedule.CUT_LIGHTHOUSE_ETCD):
+        low, _ = schedule.HOLDS[kind]
+        assert low >= schedule.LEASE_TTL_S + 1.0
+
+
+def test_an_ordered_replicated_plan_strikes_the_control_plane_in_order() -> None:
+    kinds = schedule.CONTROL_PLANE
+    for seed in range(10):
+        plan = schedule.plan(seed, 60, 3, 2, kinds=kinds, gap_s=(2.5, 4.0), ordered=True)
+        assert tuple(i.kind for i in plan[:4]) == kinds
+
+
+def test_the_etcd_member_is_drawn_across_seeds() -> None:
+    members = {
+        i.member
+        for seed in range(40)
+        for i in schedule.plan(seed, 120, 3, 2, kinds=(schedule.KILL_ETCD_MEMBER,))
+    }
+    assert members == set(range(schedule.ETCD_MEMBERS))
+
+
+@pytest.mark.parametrize("kind", schedule.CONTROL_PLANE)
+def test_a_control_plane_strike_names_no_group_in_its_reason(kind: str) -> None:
+    inj = Injection(0, 1.0, kind, group=2, rank=1, hold_s=3.0, member=2)
+    d = schedule.decide(1.0, [inj], healthy(3), 0.0)
+    assert d.action == "strike" and d.rank is None
+    assert "group" not in d.reason
+    if kind == schedule.KILL_ETCD_MEMBER:
+        assert d.reason == "kill-etcd-member m2"
+
+
+@pytest.mark.parametrize("kind", schedule.CONTROL_PLANE)
+def test_a_control_plane_strike_waits_for_every_group(kind: str) -> None:
+    inj = Injection(0, 1.0, kind, hold_s=3.0)
+    for states in itertools.product(STATES, repeat=3):
+        health = [GroupHealth(g, h, u, why_not="x") for g, (h, u) in enumerate(states)]
+        d = schedule.decide(5.0, [inj], health, 0.0)
+        assert d.action == ("strike" if all(h for h, _ in states) else "wait")

@@ -11,6 +11,11 @@ injection with the times the report needs:
   SIGCONT, the lighthouse's restart, the partition's lifting);
 * ``recovered``: when every group had committed a step with every group
   again after ``end`` (the time to recover is ``recovered - end``).
+
+The control-plane kinds (a replicated lighthouse's leader killed, stopped
+or cut off from etcd; an etcd member killed) go to
+:class:`~ftdist.chaos.failover.ControlFaults`, which times their recovery
+from the strike.
 """
 
 from __future__ import annotations
@@ -21,11 +26,14 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ftdist.chaos import schedule
+from ftdist.chaos.failover import ControlFaults
 
 if TYPE_CHECKING:
+    from ftdist.chaos.controlplane import ControlPlane
     from ftdist.chaos.lighthouse import RestartableLighthouse
     from ftdist.chaos.netns import ChaosNetwork
     from ftdist.chaos.supervisor import ChaosSupervisor
+    from ftdist.demo.events import StepEvent
     from ftdist.demo.tracking import State
 
 
@@ -34,15 +42,17 @@ class Faults:
 
     Args:
         sup: the supervisor (processes, groups, record).
-        lighthouse: the run's lighthouse.
+        lighthouse: the run's single lighthouse (None with a replicated one).
         network: the namespaces, or None (partitions are then skipped).
+        control: the replicated lighthouse, or None (its kinds are then skipped).
     """
 
     def __init__(
         self,
         sup: ChaosSupervisor,
-        lighthouse: RestartableLighthouse,
+        lighthouse: RestartableLighthouse | None,
         network: ChaosNetwork | None,
+        control: ControlPlane | None = None,
     ) -> None:
         self._sup = sup
         self.lighthouse = lighthouse
@@ -51,11 +61,13 @@ class Faults:
         self._cuts: dict[int, tuple[float, dict[str, Any]]] = {}
         self._lighthouse_down: tuple[float, dict[str, Any]] | None = None
         self._open: list[dict[str, Any]] = []
+        self._control = None if control is None else ControlFaults(sup, control)
 
     # -- state ------------------------------------------------------------------------------
     def busy(self) -> bool:
-        """Whether a timed fault (stop, lighthouse down, cut) is in progress."""
-        return bool(self._stopped or self._cuts or self._lighthouse_down)
+        """Whether a timed fault (stop, lighthouse down, cut, control plane) is in progress."""
+        held = self._control is not None and self._control.busy()
+        return bool(self._stopped or self._cuts or self._lighthouse_down or held)
 
     def is_stopped(self, group: int, rank: int) -> bool:
         """Whether that trainer is SIGSTOPped now."""
@@ -96,7 +108,14 @@ class Faults:
         assert sup.ranks is not None and decision.group is not None
         gs = sup.groups[decision.group]
         entry = self._entry(inj, now, group=decision.group)
-        if inj.kind == schedule.KILL:
+        if inj.kind in schedule.CONTROL_PLANE:
+            self._strike_control(inj, entry)
+            return entry
+        if inj.kind == schedule.LIGHTHOUSE and self.lighthouse is None:
+            entry["outcome"] = "skipped"
+            entry["detail"] = "the lighthouse is replicated: no single one to restart"
+            sup.say("SKIPPED lighthouse: the lighthouse is replicated")
+        elif inj.kind == schedule.KILL:
             rank = decision.rank or 0
             sup.kill_group(gs, only=rank)
             entry["end"] = entry["t"]
@@ -113,6 +132,7 @@ class Faults:
             entry["detail"] = f"provoked: group {gs.group} killed, waiting for its heal"
             sup.say(f"{inj.kind}: SIGKILL group {gs.group}; striking again once it heals")
         elif inj.kind == schedule.LIGHTHOUSE:
+            assert self.lighthouse is not None
             entry["group"] = None
             self.lighthouse.stop()
             self._lighthouse_down = (time.time() + inj.hold_s, entry)
@@ -140,6 +160,15 @@ class Faults:
         if entry["outcome"] == "done":
             self._open.append(entry)
         return entry
+
+    def _strike_control(self, inj: schedule.Injection, entry: dict[str, Any]) -> None:
+        entry["group"] = None
+        if self._control is None:
+            entry["outcome"] = "skipped"
+            entry["detail"] = "no replicated lighthouse (--replicated-lighthouse, etcd)"
+            self._sup.say(f"SKIPPED {inj.kind}: no replicated lighthouse")
+        else:
+            self._control.strike(inj, entry)
 
     def follow_up(self, inj: schedule.Injection, decision: schedule.Decision, now: float) -> None:
         """The second half of a mid-heal injection: kill the source, or the healing group."""
@@ -189,6 +218,8 @@ class Faults:
                 self._lift(group, entry)
         if self._lighthouse_down is not None and now >= self._lighthouse_down[0]:
             self._restart_lighthouse()
+        if self._control is not None:
+            self._control.maintain()
         self._check_recovery()
 
     def _resume(self, group: int, rank: int, entry: dict[str, Any]) -> None:
@@ -214,9 +245,14 @@ class Faults:
         entry["end"] = time.time()
         sup.say(message)
 
+    def on_step(self, group: int, rank: int, event: StepEvent) -> None:
+        """A trainer's step: how far it is from recovering from a control-plane strike."""
+        if self._control is not None:
+            self._control.on_step(group, rank, event)
+
     def _restart_lighthouse(self) -> None:
         sup = self._sup
-        assert self._lighthouse_down is not None
+        assert self._lighthouse_down is not None and self.lighthouse is not None
         entry = self._lighthouse_down[1]
         self._lighthouse_down = None
         try:
@@ -253,6 +289,8 @@ class Faults:
         steps += [functools.partial(self._lift, g, e) for g, (_, e) in list(self._cuts.items())]
         if self._lighthouse_down is not None:
             steps.append(self._restart_lighthouse)
+        if self._control is not None:
+            steps.append(self._control.lift_all)
         for step in steps:
             try:
                 step()

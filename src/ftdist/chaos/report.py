@@ -8,16 +8,21 @@ prints its figures as a table:
 
 * steps committed by the job, and step attempts against commits per group;
 * per injection kind: how many struck, the worst and median time to
-  recover (from the fault's end until every group committed a step with
-  every group again) and the longest stall (the longest time in which the
-  job committed nothing, from the strike to the recovery);
+  recover (from the fault's end, or for the control-plane kinds from the
+  strike, until every group committed a step with every group again) and
+  the longest stall (the longest time in which the job committed nothing,
+  from the strike to the recovery);
 * divergence: the final state hash of every trainer, which must be equal
   for each group rank across groups, at one step;
 * hangs (a running trainer silent past the bound, or one that did not exit
-  after its final report), unexpected exits, leaked processes.
+  after its final report), unexpected exits, leaked processes;
+* quorum ids (:func:`ftdist.chaos.quorums.check`): no step committed under
+  two quorums of one id (nor, with a replicated lighthouse, one id naming
+  two memberships).
 
 The verdict passes only when there is no divergence, no hang, no leak, no
-unexpected exit, and every injection recovered.
+unexpected exit, no quorum-id conflict, no control-plane process that could
+not be struck or brought back, and every injection recovered.
 """
 
 from __future__ import annotations
@@ -84,6 +89,8 @@ def injection_rows(record: ChaosRecord) -> list[dict[str, Any]]:
     for e in record.injections:
         row = {k: e[k] for k in ("index", "kind", "group", "rank", "hold_s", "outcome", "detail")}
         row["clock_s"] = e["clock_s"]
+        # The control-plane kinds' victim, and the new term (leader strikes).
+        row.update({k: e[k] for k in ("replica", "member", "new_leader", "failover_s") if k in e})
         row["recover_s"] = (
             round(e["recovered"] - e["end"], 3)
             if e["recovered"] is not None and e["end"] is not None
@@ -105,7 +112,7 @@ def injection_rows(record: ChaosRecord) -> list[dict[str, Any]]:
 def by_kind(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per kind: count, worst and median recovery and stall (done injections only)."""
     out: dict[str, dict[str, Any]] = {}
-    for kind in schedule.KINDS:
+    for kind in schedule.ALL_KINDS:
         mine = [r for r in rows if r["kind"] == kind]
         done = [r for r in mine if r["outcome"] == "done"]
         recover = [r["recover_s"] for r in done if r["recover_s"] is not None]
@@ -148,13 +155,20 @@ def divergence(record: ChaosRecord) -> dict[str, Any]:
     return out
 
 
-def build_report(record: ChaosRecord, leaks: list[str], meta: dict[str, Any]) -> dict[str, Any]:
+def build_report(
+    record: ChaosRecord,
+    leaks: list[str],
+    meta: dict[str, Any],
+    quorums: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The whole report document.
 
     Args:
         record: the run.
         leaks: what outlived the run (processes, namespaces, links).
         meta: configuration and versions to include.
+        quorums: the quorum-id check (:func:`ftdist.chaos.quorums.check`),
+            or None when not made.
     """
     rows = injection_rows(record)
     kinds = by_kind(rows)
@@ -173,6 +187,10 @@ def build_report(record: ChaosRecord, leaks: list[str], meta: dict[str, Any]) ->
         problems.append(
             "never recovered from injection(s) " + ", ".join(str(r["index"]) for r in unrecovered)
         )
+    if quorums is not None and not quorums["ok"]:
+        problems.append(f"quorum ids: {quorums['reason']}")
+    if record.control_errors:
+        problems.append(f"control plane: {'; '.join(record.control_errors)}")
     if record.interrupted:
         problems.append("interrupted")
     receives = [h for h in record.heals if h["role"] == "receive" and h["step"] > 0]
@@ -210,6 +228,8 @@ def build_report(record: ChaosRecord, leaks: list[str], meta: dict[str, Any]) ->
         "hangs": record.hangs,
         "unexpected_exits": record.unexpected_exits,
         "leaks": leaks,
+        "quorums": quorums,
+        "control_errors": record.control_errors,
         "notes": record.notes,
         "verdict": {"ok": not problems, "problems": problems},
     }
@@ -250,6 +270,12 @@ def figures_table(report: dict[str, Any]) -> str:
         f"| trainers that died on their own | {len(report['unexpected_exits']) or 'none'} |",
         f"| leaked processes, namespaces, links | {', '.join(report['leaks']) or 'none'} |",
     ]
+    quorums = report.get("quorums")
+    if quorums is not None:
+        lines.append(
+            f"| quorum ids | {'consistent: ' if quorums['ok'] else 'VIOLATED: '}"
+            f"{quorums['reason']} |"
+        )
     return "\n".join(lines)
 
 
@@ -277,11 +303,17 @@ def render_text(report: dict[str, Any]) -> str:
             else f"g{r['group']}"
             + (f" r{r['rank']}" if r["kind"] in (schedule.KILL, schedule.STOP) else "")
         )
+        if r.get("replica") is not None:
+            victim = f"lh{r['replica']}"
+        elif r.get("member") is not None:
+            victim = f"etcd m{r['member']}"
         detail = r["detail"] if r["outcome"] == "done" else f"{r['outcome'].upper()}: {r['detail']}"
         if "into_heal_s" in r:
             detail += f" ({r['into_heal_s']:.2f} s into the heal, transfer " + (
                 "cut)" if r["transfer_cut"] else "already done)"
             )
+        if r.get("failover_s") is not None:
+            detail += f"; replica {r['new_leader']} leads anew {r['failover_s']:.1f} s later"
         if "committed_during" in r:
             detail += (
                 f"{'; ' if detail else ''}the others committed {r['committed_during']} steps "
@@ -298,6 +330,10 @@ def render_text(report: dict[str, Any]) -> str:
     for e in report["unexpected_exits"]:
         last = (e.get("error") or "").strip().splitlines()[-1:] or [f"exit code {e['exitcode']}"]
         out.append(f"DIED: group {e['group']} rank {e['rank']} at {e['t_s']:.1f} s: {last[0]}")
+    for error in report.get("control_errors") or []:
+        out.append(f"CONTROL PLANE: {error}")
+    for conflict in (report.get("quorums") or {}).get("conflicts", []):
+        out.append(f"QUORUM CONFLICT: {conflict}")
     for note in report["notes"]:
         out.append(f"note: {note}")
     out.append("final state hashes (weights + optimizer + ballast):")

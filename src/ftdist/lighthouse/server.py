@@ -402,7 +402,30 @@ class LighthouseServer:
         for rpc, ticket in parked:
             if not rpc.done:
                 rpc.on_cancel(functools.partial(engine.withdraw, ticket))
-        engine.tick()
+        if self._may_judge():
+            engine.tick()
+
+    def _may_judge(self) -> bool:
+        """Whether this lighthouse may decide who is dead (and say so).
+
+        A replica that is not a serving leader must not: one woken from a
+        stop finds every heartbeat stale and would report every member
+        failed before its election thread sees the lease gone (the chaos
+        suite saw trainers abort their groups on it). It steps down here.
+        """
+        if self._replica is None:
+            return True
+        if not self._leading:
+            return False
+        verdict = self._replica.verdict()
+        if not verdict.ok:
+            self._step_down(verdict.reason)
+            return False
+        return True
+
+    def _check_lost_streams(self) -> None:
+        if self._may_judge():
+            self._engine.check_lost_streams()
 
     def _handle_heartbeat(self, rpc: RpcCall, request: bytes) -> None:
         if self._elsewhere(rpc, request, forward=True):
@@ -465,7 +488,7 @@ class LighthouseServer:
             if replica_id:
                 # A process that died closes its streams at once: report it
                 # right after the reconnect grace, not at the next tick.
-                self._server.call_later(STREAM_GRACE_S + 0.005, engine.check_lost_streams)
+                self._server.call_later(STREAM_GRACE_S + 0.005, self._check_lost_streams)
 
         rpc.on_cancel(cancelled)
         engine.subscribe(stream)
