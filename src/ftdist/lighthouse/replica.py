@@ -203,10 +203,10 @@ class LighthouseReplica:
             thread.start()
             self._threads.append(thread)
 
-    def stop(self) -> None:
-        """Stop campaigning and hand over: the lease is revoked, which deletes
-        the leader key at once, so a follower takes over within a poll.
-        Idempotent; never blocks for more than about a second.
+    def hand_over(self) -> None:
+        """Stop leading at once: stop campaigning and revoke the lease, which
+        deletes the leader key, so a follower takes over within a poll.
+        Idempotent; :meth:`stop` then joins the threads.
         """
         self._stop.set()
         with self._lock:
@@ -219,6 +219,12 @@ class LighthouseReplica:
                 self._client.revoke(lease_id, timeout=_REVOKE_TIMEOUT_S)
             except EtcdError as exc:
                 logger.warning("Could not revoke the lease on stop (it expires by itself): %s", exc)
+
+    def stop(self) -> None:
+        """Hand over (:meth:`hand_over`), then join the threads and close the
+        etcd client. Idempotent; never blocks for more than a few seconds.
+        """
+        self.hand_over()
         for thread in self._threads:
             thread.join(timeout=2.0)
         self._threads.clear()
