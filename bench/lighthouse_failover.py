@@ -492,9 +492,9 @@ def run_single(args: argparse.Namespace, work: str, result: dict[str, Any]) -> N
             result["single"]["quorum_id_problems"] = problems
             backwards = sum("->" in p for p in problems)
             print(
-                "    quorum ids: a restarted single lighthouse counts from 1 again (a group's id "
-                f"went backwards {backwards} time(s); {len(problems) - backwards} id(s) committed "
-                "with two memberships)"
+                "    quorum ids across the restarts: a group's id went backwards "
+                f"{backwards} time(s); {len(problems) - backwards} id(s) committed with two "
+                "memberships (a restarted lighthouse goes on above the ids its members used)"
             )
             # Trainers without a lighthouse wait in their quorum: no point waiting for them.
             _stop_trainers(ranks, out_dir, 1.0 if args.host_lost_s > 0 else 10.0)
