@@ -40,6 +40,12 @@ class StateDivergenceError(FtdistError):
     """Replicas that should hold the same state do not; the step must not commit."""
 
 
+class DataCoverageError(FtdistError):
+    """A step's samples were not all trained (a replica group's part failed):
+    the step must not commit, so that it is issued again whole
+    (:meth:`ftdist.data.ExactSampler.verify`)."""
+
+
 class RecoveryError(FtdistError):
     """A heal could not be completed; the replica heals again at the next quorum."""
 
@@ -156,6 +162,7 @@ __all__ = [
     "CommunicationError",
     "CoordinationError",
     "CoordinationTimeoutError",
+    "DataCoverageError",
     "EtcdError",
     "ExceptionWithTraceback",
     "FtdistError",

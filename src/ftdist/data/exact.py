@@ -15,12 +15,13 @@ The loop reads its micro-batches after ``zero_grad()`` (which starts the
 quorum) and scales the summed loss::
 
     optimizer.zero_grad()
-    batches = sampler.micro_batches()           # waits for the step's quorum
-    scale = sampler.plan().loss_scale()
+    plan = sampler.plan()                         # waits for the step's quorum
+    batches = sampler.micro_batches(plan)
     for i, indices in enumerate(batches):
         x, y = collate([dataset[j] for j in indices])
         with ddp.no_sync() if i < len(batches) - 1 else contextlib.nullcontext():
-            (loss_fn(ddp(x), y, reduction="sum") * scale).backward()
+            (loss_fn(ddp(x), y, reduction="sum") * plan.loss_scale()).backward()
+    sampler.verify(plan)                          # every micro-batch of the step was trained
     optimizer.step()                              # the cursor moves only if it commits
 
 A group with fewer participants takes more micro-batches (gradient
@@ -40,6 +41,19 @@ A step that fails (a group died mid-step) does not commit, so its positions
 are issued again at the next step, split over the groups of the new quorum:
 the dead group's micro-batches are taken over by the survivors, in an order
 every group computes alike; nothing is dropped or read twice.
+
+Groups commit or not on their own votes, so a group whose step fails while
+it lives on (an error its code reported, a heal that could not load) would
+leave its micro-batches out of a step the others commit. :meth:`ExactSampler.verify`
+closes that gap: one small allreduce sums how many of the step's
+micro-batches the groups trained (a group that failed contributes zeros), and
+if the sum falls short every group records an error, so that no group
+commits and the whole step is issued again.
+
+With an asynchronous quorum and ``init_sync`` (the Manager's defaults), step
+0 copies one group's initial state to every other, which trains nothing that
+step: the sampler then starts its epochs at step 1 (``start_step``), and step
+0 reads nothing.
 """
 
 from __future__ import annotations
@@ -49,8 +63,10 @@ from collections.abc import Sized
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed
 
 from ftdist.data.plan import Cursor, StepPlan, cursor_at, plan_step
+from ftdist.errors import DataCoverageError
 
 if TYPE_CHECKING:
     from ftdist.manager import Manager
@@ -92,7 +108,9 @@ class ExactSampler:
         group_rank: this rank in its replica group (default: the Manager's).
         group_world_size: ranks in the replica group (default: the Manager's).
         start_step: the Manager step at which epoch 0 begins (a sampler added
-            to a job that already trained).
+            to a job that already trained); default 0, or 1 with an
+            asynchronous quorum and ``init_sync`` (step 0 only copies the
+            initial state).
         key: the name under which the sampler registers its settings with
             the Manager (two samplers of one Manager need two keys).
 
@@ -113,7 +131,7 @@ class ExactSampler:
         shuffle: bool = True,
         group_rank: int | None = None,
         group_world_size: int | None = None,
-        start_step: int = 0,
+        start_step: int | None = None,
         key: str = "ftdist.exact_sampler",
     ) -> None:
         if isinstance(dataset, int) and not isinstance(dataset, bool):
@@ -134,6 +152,13 @@ class ExactSampler:
             )
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {seed!r}")
+        if start_step is None:
+            # Under an async quorum, init_sync heals every group but one at
+            # step 0: they train nothing, so step 0 cannot read a whole step.
+            initial_sync = getattr(manager, "_use_async_quorum", False) and getattr(
+                manager, "_init_sync", False
+            )
+            start_step = 1 if initial_sync else 0
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
             raise ValueError(f"start_step must be a non-negative int, got {start_step!r}")
         self.seed = seed
@@ -175,8 +200,12 @@ class ExactSampler:
         rank = manager.participating_rank()
         if rank is not None and not manager.is_participating():
             rank = None  # healing under an async quorum: it contributes zeros
+        step = manager.current_step()
+        if step < self.start_step:
+            # Before the epochs begin (the initial sync): nothing to read.
+            return StepPlan(step, -1, 0, 0, (), (0, 0), (), max(1, participants), rank, 1)
         return plan_step(
-            manager.current_step(),
+            step,
             dataset_len=self.dataset_len,
             global_batch_size=self.global_batch_size,
             micro_batch_size=self.micro_batch_size,
@@ -202,12 +231,53 @@ class ExactSampler:
         batches = [[int(order[p]) for p in positions] for positions in plan.positions]
         return batches or [[]]
 
+    def verify(self, plan: StepPlan) -> bool:
+        """Check that every micro-batch of the step was trained; if not,
+        make the step fail everywhere so that it is issued again whole.
+
+        Call it after the step's micro-batches (their backward) and before
+        ``optimizer.step()``. It runs one allreduce of one number over the
+        replica groups: how many of the step's micro-batches each took. A
+        group whose step failed (its error makes it contribute zeros), or
+        one that heals without training, counts none; if the total falls
+        short, every group records an error and votes no.
+
+        Args:
+            plan: this step's plan, from :meth:`plan`.
+
+        Returns:
+            True when the count was whole (or the step has nothing to read);
+            False when the step was made to fail.
+        """
+        manager = self._manager
+        # Every group joins the allreduce, whatever its plan: a collective
+        # that some groups skip would pair the wrong calls.
+        taken = plan.taken[1] - plan.taken[0] if plan.participant_rank is not None else 0
+        count = torch.tensor([float(taken)])
+        manager.allreduce(count, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        expected = len(plan.micro_batches)
+        if plan.participant_rank is None:
+            # A group that heals (its plan is for the step it leaves) or
+            # waits as a spare judges nothing; the participants do.
+            return True
+        if manager.errored() is not None:
+            return False  # this step fails anyway (and the count said so to the others)
+        if int(count.item()) == expected:
+            return True
+        manager.report_error(
+            DataCoverageError(
+                f"step {plan.step}: the replica groups trained {int(count.item())} of its "
+                f"{expected} micro-batches (a group's step failed, or it heals without "
+                "training); the step is issued again"
+            )
+        )
+        return False
+
     @property
     def cursor(self) -> Cursor:
         """Where the next step reads: the epoch and the first uncommitted position."""
-        return cursor_at(
-            self._manager.current_step(), self.dataset_len, self.global_batch_size, self.start_step
-        )
+        step = max(self._manager.current_step(), self.start_step)
+        return cursor_at(step, self.dataset_len, self.global_batch_size, self.start_step)
 
     def epoch_order(self, epoch: int) -> list[int]:
         """Epoch ``epoch``'s ordering of the dataset's indices (for ledgers and tests)."""
