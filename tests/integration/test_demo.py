@@ -33,6 +33,21 @@ pytestmark = pytest.mark.xdist_group("heavy")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+def assert_exact_ledger(ledger: dict[str, Any], complete_epochs: int = 0) -> None:
+    """The exact sampler's ledger: each sample once per completed epoch, nothing read
+    twice, and in the epoch under way nothing skipped before the cursor."""
+    assert ledger["sampling"]["sampler"] == "exact", ledger["sampling"]
+    assert ledger["complete_epochs"] >= complete_epochs, ledger["epochs"]
+    n = ledger["sampling"]["dataset_len"]
+    for epoch in ledger["epochs"]:
+        assert epoch["twice"] == 0 and epoch["never"] == 0, epoch
+        assert epoch["consumed"] == epoch["reads"] == epoch["expected"], epoch
+        assert epoch["short"] == 0, epoch
+        if epoch["complete"]:
+            assert epoch["consumed"] == n, epoch
+    assert ledger["unrecorded_steps"] == 0, ledger
+
+
 class DemoProcess:
     def __init__(self, args: list[str], out: Path) -> None:
         self.token = f"FTDIST_DEMO_TEST_TOKEN={uuid.uuid4().hex}"
@@ -127,6 +142,14 @@ def test_ci_demo_run_with_failures(demo: Any) -> None:
     assert main["unexpected_exits"] == []
     assert main["steps_committed"] == main["stop_step"]
     assert main["loss"]["last"] < main["loss"]["first"] - 0.2, main["loss"]
+    # The exact sampler (the default): every sample of the completed epochs
+    # once, through the failures; torchft's static shards would have lost
+    # the shards of the groups out of a step (simulated from the quorums).
+    assert_exact_ledger(main["ledger"], complete_epochs=1)
+    simulated = main["ledger"]["torchft"]
+    assert simulated["shrunk_steps"] > 0 and simulated["lost"] > 0, simulated
+    assert "data ledger (ExactSampler" in stdout
+    assert "a simulation from this run's recorded quorums" in stdout
 
     png = (run.out / "report.png").read_bytes()
     assert png.startswith(PNG_MAGIC) and len(png) > 20_000
@@ -184,8 +207,13 @@ def test_baseline_on_an_existing_lighthouse(demo: Any, lh: Lighthouses) -> None:
     assert base is not None and base["verdict"]["ok"] is True
     assert base["stop_step"] == report["run"]["stop_step"]
     comparison = report["comparison"]
-    assert comparison["steps_compared"] == report["run"]["stop_step"]
+    # Every step but step 0, the initial sync, which reads nothing.
+    assert comparison["steps_compared"] == report["run"]["stop_step"] - 1
+    assert comparison["mean_abs_diff_all_steps"] is not None
     assert "baseline without failures" in stdout
+    # Too short for a whole epoch: what was read is exactly what lies before the cursor.
+    assert_exact_ledger(report["run"]["ledger"])
+    assert_exact_ledger(base["ledger"])
     run.assert_nothing_left()
 
 
@@ -280,6 +308,15 @@ def test_a_replica_late_for_the_last_steps_still_ends_identical(
         if '"heal"' in line
     ]
     assert any(h["role"] == "receive" and h["step"] == stop for h in heals), heals
+    from ftdist.demo.events import EventReader
+    from ftdist.demo.ledger import build_ledger
+    from ftdist.demo.worker import sampling
+
+    how = sampling(cfg)
+    assert how is not None
+    ledger = build_ledger(EventReader(str(events)).read(), how, stop)
+    assert ledger["steps"] == stop
+    assert_exact_ledger(ledger)
 
 
 @pytest.mark.slow
@@ -321,6 +358,8 @@ def test_replicated_lighthouse_fails_over_and_the_job_ends_identical(demo: Any) 
         assert "is the leader of job" in new_log.read_text(), new_log
     assert main["unexpected_exits"] == []
     assert main["steps_committed"] == main["stop_step"]
+    # A lighthouse failover loses no sample either.
+    assert_exact_ledger(main["ledger"], complete_epochs=1)
     for i in range(3):
         assert (run.out / "lighthouse" / f"lighthouse-{i}.log").exists()
         assert (run.out / "lighthouse" / "etcd" / f"m{i}.log").exists()

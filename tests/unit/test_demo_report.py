@@ -238,6 +238,7 @@ def test_events_read_as_they_were_written(tmp_path: Any) -> None:
         HealStartEvent,
         ServeEvent,
         StepEvent,
+        TakeEvent,
         UpEvent,
         events_path,
     )
@@ -248,6 +249,7 @@ def test_events_read_as_they_were_written(tmp_path: Any) -> None:
             t=2.0, step=3, ok=False, loss=0.5, quorum_id=2, participants=2, participating=True,
             error="boom",
         ),
+        TakeEvent(t=2.5, step=4, quorum_id=2, epoch=0, participating=True, ids=[7, 3, 5]),
         HealStartEvent(t=3.0, step=4, src_rank=0, source="http://y"),
         ServeEvent(t=3.5, step=4, dst=[1]),
         HealEvent(

@@ -231,7 +231,7 @@ def test_the_chaos_supervisor_records_commits_failed_steps_and_addresses(tmp_pat
     from ftdist.demo.supervisor import Interrupt
 
     cfg = ChaosWorkerConfig("127.0.0.1:1", str(tmp_path), seed=0, groups=2, group_size=2, run="r")
-    sup = ChaosSupervisor(cfg, [], 10.0, None, None, lambda line: None, Interrupt())  # type: ignore[arg-type]
+    sup = ChaosSupervisor(cfg, [], 10.0, None, None, lambda line: None, Interrupt())
     fields: dict[str, Any] = {"loss": 0.5, "quorum_id": 1, "participants": 2, "participating": True}
     sup.on_step(1, 0, StepEvent(t=5.0, step=3, ok=False, **fields))
     sup.on_step(1, 1, StepEvent(t=5.1, step=3, ok=False, **fields))

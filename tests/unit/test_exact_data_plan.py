@@ -74,7 +74,7 @@ def _read(job: Job, step: int, participants: int, healing: frozenset[int]) -> Co
 def histories(draw: st.DrawFn) -> tuple[Job, list[tuple[int, frozenset[int], bool]]]:
     job = draw(jobs)
     epochs = draw(st.integers(1, 3))
-    attempts = []
+    attempts: list[tuple[int, frozenset[int], bool]] = []
     committed = 0
     needed = epochs * steps_per_epoch(job.dataset_len, job.global_batch_size)
     while committed < needed:

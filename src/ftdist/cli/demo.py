@@ -107,6 +107,15 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         metavar="N",
         help=f"DiLoCo's inner steps per sync (default {d.sync_every})",
     )
+    parser.add_argument(
+        "--sampler",
+        choices=["exact", "torchft"],
+        default=None,
+        help="exact: ftdist.data.ExactSampler, every sample once per epoch and a constant "
+        "global batch whatever fails (the default with ddp); torchft: torchft's "
+        "DistributedSampler, a static shard per group, lossy under failures (the default, "
+        "and the only choice, with diloco)",
+    )
     parser.set_defaults(handler=_handle)
     return parser
 
@@ -126,6 +135,7 @@ def _handle(args: argparse.Namespace) -> int:
             algorithm=args.algorithm,
             sync_every=args.sync_every,
             replicated_lighthouse=args.replicated_lighthouse,
+            sampler=args.sampler,
         )
     except (TypeError, ValueError) as exc:
         print(f"ftdist demo: {exc}", file=sys.stderr)

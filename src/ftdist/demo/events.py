@@ -14,6 +14,9 @@ Each line is ``{"kind": ..., "t": <wall time>, <the event's fields>}``.
 The kinds:
 
 * ``up``: the process started (:class:`UpEvent`);
+* ``take``: the samples it is about to train on at a step, written before
+  its gradient can reach the step's allreduce (:class:`TakeEvent`, the
+  demo's data ledger);
 * ``step``: it finished a step, committed or not (:class:`StepEvent`);
 * ``heal_start``: it starts receiving a heal (:class:`HealStartEvent`,
   chaos only);
@@ -113,6 +116,30 @@ class StepEvent(_Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class TakeEvent(_Event):
+    """The samples a replica group reads at a step (the demo's data ledger).
+
+    Written after the step's quorum is known and before the backward: a
+    group whose gradient went into a committed step has written it, even
+    when it was killed before its ``step`` line (:mod:`ftdist.demo.ledger`).
+
+    Attributes:
+        step: the Manager's step it reads for.
+        quorum_id: the quorum of the step's round.
+        epoch: the data epoch the step belongs to.
+        participating: whether its gradient counts (False while it heals).
+        ids: the dataset indices it reads, in order.
+    """
+
+    kind: ClassVar[str] = "take"
+    step: int
+    quorum_id: int
+    epoch: int
+    participating: bool
+    ids: list[int]
+
+
+@dataclass(frozen=True, kw_only=True)
 class HealStartEvent(_Event):
     """A heal's transfer begins (logged by the chaos trainers' transport).
 
@@ -200,9 +227,19 @@ class UnknownEvent:
     t: float
 
 
-Event = UpEvent | StepEvent | HealStartEvent | ServeEvent | HealEvent | FinalEvent | UnknownEvent
+Event = (
+    UpEvent
+    | StepEvent
+    | TakeEvent
+    | HealStartEvent
+    | ServeEvent
+    | HealEvent
+    | FinalEvent
+    | UnknownEvent
+)
 KINDS: dict[str, type[_Event]] = {
-    cls.kind: cls for cls in (UpEvent, StepEvent, HealStartEvent, ServeEvent, HealEvent, FinalEvent)
+    cls.kind: cls
+    for cls in (UpEvent, StepEvent, TakeEvent, HealStartEvent, ServeEvent, HealEvent, FinalEvent)
 }
 _HINTS = {kind: typing.get_type_hints(cls) for kind, cls in KINDS.items()}
 
@@ -344,6 +381,7 @@ __all__ = [
     "HealStartEvent",
     "ServeEvent",
     "StepEvent",
+    "TakeEvent",
     "UnknownEvent",
     "UpEvent",
     "events_path",

@@ -12,15 +12,18 @@ timeline, the loss curve (and the baseline's), and the verdict.
 The verdict is what a user of fault-tolerant training cares about: at the
 end every replica group holds bit-identical weights and optimizer state (one
 SHA-256 over all their bytes), at the same step. It fails loudly otherwise,
-when a replica group died on its own (not by injection), and when the
+when a replica group died on its own (not by injection), when the
 lighthouse did not fail over (no new leader, or a group that never
-committed again).
+committed again), and when a run with the exact sampler read a sample twice
+or left one unread (its data ledger, :mod:`ftdist.demo.ledger`).
 """
 
 from __future__ import annotations
 
 import statistics
 from typing import TYPE_CHECKING, Any
+
+from ftdist.demo.ledger import ledger_lines, ledger_problem
 
 if TYPE_CHECKING:
     from ftdist.demo.supervisor import RunRecord
@@ -104,6 +107,8 @@ def verdict(record: RunRecord) -> dict[str, Any]:
             f"replica weights differ at step {next(iter(steps.values()))}: "
             + ", ".join(f"{k} {v[:12]}" for k, v in hashes.items())
         )
+    elif (data := ledger_problem(record.ledger)) is not None:
+        out["reason"] = data
     else:
         first = next(iter(finals.values()), None)
         what = (first.what if first is not None else None) or "weights and optimizer state"
@@ -162,6 +167,7 @@ def run_summary(record: RunRecord) -> dict[str, Any]:
             "eval_accuracy": finals[0].accuracy if finals else None,
         },
         "curve": curve,
+        "ledger": record.ledger,
         "verdict": verdict(record),
     }
 
@@ -191,6 +197,9 @@ def build_report(
             "baseline_last_loss": base["loss"]["last"],
             "mean_abs_diff_last_steps": statistics.fmean(abs(ours[s] - theirs[s]) for s in tail)
             if tail
+            else None,
+            "mean_abs_diff_all_steps": statistics.fmean(abs(ours[s] - theirs[s]) for s in common)
+            if common
             else None,
             "eval_accuracy": main["loss"]["eval_accuracy"],
             "baseline_eval_accuracy": base["loss"]["eval_accuracy"],
@@ -278,6 +287,7 @@ def render_text(report: dict[str, Any]) -> str:
                 f"{h['transfer_bytes'] / 1e6:5.2f} MB in {h['transfer_s'] * 1e3:4.0f} ms, load "
                 f"{h['load_s'] * 1e3:3.0f} ms = {h['total_s']:.2f} s"
             )
+    lines += ledger_lines(run.get("ledger"))
     loss = run["loss"]
     lines.append(
         f"loss: {_fmt(loss['first'])} at the start -> {_fmt(loss['last'])} (mean of the "
@@ -291,8 +301,10 @@ def render_text(report: dict[str, Any]) -> str:
             f"baseline without failures ({base['duration_s']:.1f} s, {base['steps_committed']} "
             f"steps): loss {_fmt(comparison['baseline_last_loss'])}, held-out accuracy "
             f"{_fmt(comparison['baseline_eval_accuracy'] and comparison['baseline_eval_accuracy'] * 100, '.1f')}%; "
-            f"mean |loss difference| over the last steps "
-            f"{_fmt(comparison['mean_abs_diff_last_steps'])}"
+            f"mean |loss difference| over the last {LOSS_WINDOW} steps "
+            f"{_fmt(comparison['mean_abs_diff_last_steps'], '.2g')}, over all "
+            f"{comparison['steps_compared']} "
+            f"{_fmt(comparison.get('mean_abs_diff_all_steps'), '.2g')}"
         )
         bv = base["verdict"]
         lines.append(f"baseline replicas identical: {'yes' if bv['ok'] else 'NO: ' + bv['reason']}")

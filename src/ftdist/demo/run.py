@@ -33,6 +33,7 @@ from ftdist.demo.view import LiveView
 if TYPE_CHECKING:
     from ftdist.demo.lighthouses import ReplicatedLighthouse
     from ftdist.demo.supervisor import RunRecord
+    from ftdist.demo.worker import WorkerConfig
 
 __all__ = ["DemoConfig", "run_demo"]
 
@@ -52,6 +53,7 @@ MAX_DURATION_S = 24 * 3600.0
 MIN_KILL_EVERY_S = 2.0
 EVENTS_DIR = "events"
 ALGORITHMS = ("ddp", "diloco")
+SAMPLERS = ("exact", "torchft")
 MAX_SYNC_EVERY = 1000
 _EVENT_FILE = re.compile(r"replica\d+\.attempt\d+\.(jsonl|log)")
 
@@ -77,6 +79,11 @@ class DemoConfig:
             ``"diloco"`` (:class:`ftdist.local_sgd.DiLoCo`: local steps, a
             sync of the pseudo-gradients every ``sync_every`` of them).
         sync_every: DiLoCo's inner steps per sync (one demo step).
+        sampler: ``"exact"`` (:class:`ftdist.data.ExactSampler`: every
+            sample once per epoch, a constant global batch) or ``"torchft"``
+            (torchft's :class:`ftdist.data.DistributedSampler`: a static
+            shard per group); None picks ``"exact"`` for DDP and
+            ``"torchft"`` for DiLoCo, the only one it supports.
 
     Raises:
         ValueError: naming the bad option and a valid range.
@@ -94,6 +101,7 @@ class DemoConfig:
     algorithm: str = "ddp"
     sync_every: int = 10
     replicated_lighthouse: bool = False
+    sampler: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int):
@@ -136,6 +144,19 @@ class DemoConfig:
         ):
             raise ValueError(
                 f"--sync-every {self.sync_every!r}: give 1 to {MAX_SYNC_EVERY} inner steps"
+            )
+        if self.sampler is None:
+            # Frozen: the resolved sampler is what the report's options show.
+            object.__setattr__(
+                self, "sampler", "torchft" if self.algorithm == "diloco" else "exact"
+            )
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"--sampler {self.sampler!r}: give one of {', '.join(SAMPLERS)}")
+        if self.sampler == "exact" and self.algorithm == "diloco":
+            raise ValueError(
+                "--sampler exact does not apply to --algorithm diloco: its inner steps read "
+                "between the Manager's steps, which move the exact sampler's cursor; leave "
+                "out --sampler (DiLoCo reads with torchft's sampler)"
             )
         if self.lighthouse is not None and self.replicated_lighthouse:
             raise ValueError(
@@ -272,6 +293,43 @@ def log_to(path: str) -> logging.Handler:
     return handler
 
 
+def _sampler_words(cfg: WorkerConfig) -> str:
+    if cfg.algorithm == "ddp" and cfg.sampler == "exact":
+        return (
+            f"ExactSampler (global batch {cfg.batch_size * cfg.replicas} in micro-batches of "
+            f"{cfg.micro_batch_size}, split over each step's quorum)"
+        )
+    return f"torchft's DistributedSampler (a static shard of {cfg.batch_size} per group and step)"
+
+
+def first_source(record: RunRecord) -> int | None:
+    """The replica group whose initial weights the run's job began with, if known.
+
+    Every process starts from its own random weights; at step 0 the others
+    heal from one of them (``init_sync``). The baseline starts from that
+    one's, so that it and the run differ by the failures alone.
+    """
+    return next(
+        (h["replica"] for h in record.heals if h["role"] == "send" and h["step"] == 0), None
+    )
+
+
+def count_ledger(record: RunRecord, cfg: WorkerConfig) -> None:
+    """Count what the run read from its events files into ``record.ledger``.
+
+    Every attempt's file counts: a process killed after its gradient went
+    into a committed step recorded that step's samples before it died.
+    """
+    from ftdist.demo.events import EventReader
+    from ftdist.demo.ledger import build_ledger
+    from ftdist.demo.worker import sampling
+
+    how = sampling(cfg)
+    if how is not None and os.path.isdir(cfg.events_dir):
+        lines = EventReader(cfg.events_dir).read()
+        record.ledger = build_ledger(lines, how, record.stop_step)
+
+
 def run_demo(opts: DemoConfig, stream: TextIO | None = None) -> int:
     """Run the demo; see the module docstring.
 
@@ -331,18 +389,6 @@ def run_demo(opts: DemoConfig, stream: TextIO | None = None) -> int:
             ", ".join(f"{schedule.LABELS.get(i.kind, i.kind)} at {i.at_s:.0f} s" for i in plan)
             or "none"
         )
-        algorithm = (
-            f"DiLoCo (a sync every {opts.sync_every} inner steps; one step = one sync)"
-            if opts.algorithm == "diloco"
-            else "DDP"
-        )
-        view.message(
-            f"{opts.replicas} replica groups, {algorithm}, {opts.duration_s:g} s, seed "
-            f"{opts.seed}; failure plan (seconds of training): {planned}"
-        )
-        if interrupt.count:
-            view.message("Ctrl-C before the run started: nothing to report")
-            return 130
         run_id = uuid.uuid4().hex[:6]
         cfg = WorkerConfig(
             lighthouse=lighthouse,
@@ -353,7 +399,21 @@ def run_demo(opts: DemoConfig, stream: TextIO | None = None) -> int:
             step_interval_s=STEP_INTERVAL_S,
             algorithm=opts.algorithm,
             sync_every=opts.sync_every,
+            sampler=opts.sampler or "exact",
         )
+        algorithm = (
+            f"DiLoCo (a sync every {opts.sync_every} inner steps; one step = one sync)"
+            if opts.algorithm == "diloco"
+            else "DDP"
+        )
+        view.message(
+            f"{opts.replicas} replica groups, {algorithm}, {_sampler_words(cfg)}, "
+            f"{opts.duration_s:g} s, seed {opts.seed}; failure plan (seconds of training): "
+            f"{planned}"
+        )
+        if interrupt.count:
+            view.message("Ctrl-C before the run started: nothing to report")
+            return 130
         name = "failures" if opts.failures else "no-failures"
         main = Supervisor(
             cfg,
@@ -366,6 +426,7 @@ def run_demo(opts: DemoConfig, stream: TextIO | None = None) -> int:
             interrupt,
             lighthouse=replicated,
         ).run()
+        count_ledger(main, cfg)
         view.close()
         baseline: RunRecord | None = None
         if opts.baseline and not interrupt.count and main.stop_step:
@@ -375,10 +436,12 @@ def run_demo(opts: DemoConfig, stream: TextIO | None = None) -> int:
                 events_dir=os.path.join(events_root, "baseline"),
                 run=f"base-{run_id}-",
                 step_interval_s=0.0,
+                init_replica=first_source(main),
             )
             baseline = Supervisor(
                 base_cfg, "baseline", [], None, main.stop_step, view.event, view.tick, interrupt
             ).run()
+            count_ledger(baseline, base_cfg)
             view.close()
         meta = {
             "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

@@ -23,6 +23,7 @@ so :class:`ReplicaState` is both the group and its trainer.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -84,7 +85,9 @@ class RunRecord:
     """Everything one run produced, for the report.
 
     ``steps`` maps a committed step to its wall time (first commit seen), the
-    losses of the replicas that committed it, and how many participated.
+    losses of the replicas that committed it, and how many participated;
+    ``ledger`` is what the run read (:func:`ftdist.demo.ledger.build_ledger`),
+    counted after it, or None (DiLoCo).
     """
 
     name: str
@@ -101,6 +104,7 @@ class RunRecord:
     failed_steps: list[dict[str, Any]] = field(default_factory=list)
     unexpected_exits: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    ledger: dict[str, Any] | None = None
 
 
 def _why_not(rs: ReplicaState) -> str:
@@ -520,7 +524,9 @@ class Supervisor:
                 {"replica": rs.replica, "step": event.step, "t_s": t_s, "error": event.error}
             )
             return
-        rs.step, rs.loss = event.step + 1, event.loss
+        rs.step = event.step + 1
+        if not math.isnan(event.loss):  # a group that read nothing (healing) has no loss
+            rs.loss = event.loss
         if rs.participants < self.cfg.replicas:
             for inj in reversed(self.record.injections):
                 if (
@@ -535,8 +541,8 @@ class Supervisor:
         step = self.record.steps.setdefault(
             event.step, {"t_s": t_s, "losses": {}, "participants": 0}
         )
-        if event.participating:
-            step["losses"][rs.replica] = rs.loss
+        if event.participating and not math.isnan(event.loss):
+            step["losses"][rs.replica] = event.loss
         step["participants"] = max(step["participants"], rs.participants)
         self._rate.append((event.t, rs.step))
         if len(self._rate) > 50:

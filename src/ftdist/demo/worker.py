@@ -4,16 +4,20 @@ One replica group of the demo
 
 :func:`replica_main` is the body of a replica-group process: a one-rank
 replica group that trains the spiral classifier with ftdist's
-``DistributedDataParallel``, ``OptimizerWrapper`` and ``DistributedSampler``
-under a :class:`~ftdist.manager.Manager`, exactly as a user's training
-script would.
+``DistributedDataParallel`` and ``OptimizerWrapper`` under a
+:class:`~ftdist.manager.Manager`, exactly as a user's training script would.
+Its data comes from ftdist's ``ExactSampler`` (every sample once per epoch,
+a constant global batch: the step's micro-batches are split over the step's
+quorum) or, with ``sampler="torchft"`` and always under DiLoCo, from
+torchft's ``DistributedSampler`` (a static shard per group).
 
 It talks to the supervisor through two channels that survive its own
-SIGKILL: it appends events (``up``, ``step``, ``heal``, ``final``;
+SIGKILL: it appends events (``up``, ``take``, ``step``, ``heal``, ``final``;
 :mod:`ftdist.demo.events`) to its own events file, a flushed JSON line
 each, and it reads ``stop_step`` from the run's TCPStore. Every replica
 stops at that same committed step and reports the SHA-256 of its weights
-and optimizer state there.
+and optimizer state there. The ``take`` lines (the samples of each step,
+written before the backward) are the data ledger (:mod:`ftdist.demo.ledger`).
 """
 
 from __future__ import annotations
@@ -31,8 +35,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ftdist.data.plan import steps_per_epoch
 from ftdist.demo import task
-from ftdist.demo.events import EventLog, FinalEvent, HealEvent, StepEvent, UpEvent, events_path
+from ftdist.demo.batches import START_STEP, ExactBatches, Reading, ShardBatches, backward
+from ftdist.demo.events import (
+    EventLog,
+    FinalEvent,
+    HealEvent,
+    StepEvent,
+    TakeEvent,
+    UpEvent,
+    events_path,
+)
+from ftdist.demo.ledger import Sampling
 from ftdist.launch.ranks import RankContext
 
 STOP_KEY = "stop_step"
@@ -46,6 +61,9 @@ FINISH_ROUND_EVERY_S = 1.0
 FINISH_ROUND_TIMEOUT = timedelta(seconds=3)
 # DiLoCo's outer learning rate (Nesterov momentum 0.9, as in the paper).
 OUTER_LR = 0.7
+SAMPLERS = ("exact", "torchft")
+# The chaos suite's trainers read torchft's way under this name.
+_Batches = ShardBatches
 
 
 @dataclass(frozen=True)
@@ -59,14 +77,26 @@ class WorkerConfig:
         replicas: number of replica groups (the sampler's shard count).
         run: a name unique to this run, prefixed to replica ids.
         step_interval_s: least wall time per step; 0 runs flat out.
-        batch_size: samples per replica per step.
+        batch_size: samples per replica per step with every group in (the
+            exact sampler's global batch is ``batch_size * replicas``).
         lr: AdamW learning rate.
-        train_size: training points.
+        train_size: training points (a multiple of the global batch: every
+            step of an epoch is whole).
         eval_size: held-out points.
         timeout_s: collective and transfer timeout of the Manager.
         algorithm: ``"ddp"`` or ``"diloco"`` (one demo step is then one
             sync of ``sync_every`` inner steps).
         sync_every: DiLoCo's inner steps per sync.
+        sampler: ``"exact"`` (:class:`~ftdist.data.ExactSampler`) or
+            ``"torchft"`` (:class:`~ftdist.data.DistributedSampler`);
+            DiLoCo always reads torchft's way (docs/demo.md says why).
+        micro_batch_size: the exact sampler's micro-batch: two per group
+            and step with every group in, so that the survivors of a
+            failure split a step evenly.
+        init_replica: every first process starts from this replica group's
+            initial weights instead of its own (the baseline: the weights
+            the failure run's job began with, so that the two runs differ
+            by the failures alone); None: each its own.
     """
 
     lighthouse: str
@@ -77,11 +107,44 @@ class WorkerConfig:
     step_interval_s: float = 0.0
     batch_size: int = 32
     lr: float = 5e-3
-    train_size: int = 6000
+    train_size: int = 6144
     eval_size: int = 2000
     timeout_s: float = 5.0
     algorithm: str = "ddp"
     sync_every: int = 10
+    sampler: str = "exact"
+    micro_batch_size: int = 16
+    init_replica: int | None = None
+
+
+def sampling(cfg: WorkerConfig) -> Sampling | None:
+    """How the run's groups read their data, for the ledger; None under DiLoCo.
+
+    DiLoCo's inner steps read between the Manager's steps, which the ledger
+    counts in; its run has no ledger.
+    """
+    if cfg.algorithm != "ddp":
+        return None
+    global_batch = cfg.batch_size * cfg.replicas
+    if cfg.sampler == "exact":
+        return Sampling(
+            sampler="exact",
+            dataset_len=cfg.train_size,
+            groups=cfg.replicas,
+            global_batch_size=global_batch,
+            micro_batch_size=cfg.micro_batch_size,
+            steps_per_epoch=steps_per_epoch(cfg.train_size, global_batch),
+            start_step=START_STEP,
+        )
+    # ShardBatches' epoch: the group's drop_last shard in whole batches.
+    return Sampling(
+        sampler="torchft",
+        dataset_len=cfg.train_size,
+        groups=cfg.replicas,
+        global_batch_size=global_batch,
+        micro_batch_size=None,
+        steps_per_epoch=max(1, (cfg.train_size // cfg.replicas) // cfg.batch_size),
+    )
 
 
 def _output_to(path: str) -> None:
@@ -98,54 +161,6 @@ def _output_to(path: str) -> None:
         force=True,
         format="%(asctime)s %(name)s: %(message)s",
     )
-
-
-class _Batches:
-    """The batch of each step, from ftdist's sampler, as a function of the step.
-
-    A replica that heals to step s continues with step s's batch, so where the
-    data stands is part of the committed state without being saved. Group
-    rank ``group_rank`` of a replica group of ``group_size`` ranks reads its
-    own shard (the chaos suite's groups have several ranks).
-    """
-
-    def __init__(
-        self,
-        data: Any,
-        replica: int,
-        replicas: int,
-        batch_size: int,
-        seed: int,
-        group_rank: int = 0,
-        group_size: int = 1,
-    ) -> None:
-        from ftdist.data import DistributedSampler
-
-        self._data = data
-        self._batch_size = batch_size
-        self._sampler = DistributedSampler(
-            data,
-            replica_rank=replica,
-            num_replica_groups=replicas,
-            group_rank=group_rank,
-            num_replicas=group_size,
-            shuffle=True,
-            seed=seed,
-            drop_last=True,
-        )
-        self._per_epoch = max(1, len(self._sampler) // batch_size)
-        self._epoch = -1
-        self._order: list[int] = []
-
-    def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        epoch, index = divmod(step, self._per_epoch)
-        if epoch != self._epoch:
-            self._sampler.set_epoch(epoch)
-            self._order = list(iter(self._sampler))
-            self._epoch = epoch
-        rows = self._order[index * self._batch_size : (index + 1) * self._batch_size]
-        x, y = self._data.tensors
-        return x[rows], y[rows]
 
 
 def _leave_together(manager: Any, control: Any, replicas: int) -> None:
@@ -200,10 +215,11 @@ def replica_main(ctx: RankContext, cfg: WorkerConfig, attempt: int) -> None:
     control = ctx.store(timedelta(seconds=30))
     train = task.make_spirals(cfg.train_size, cfg.seed)
     held_out = task.make_spirals(cfg.eval_size, cfg.seed + 1)
-    batches = _Batches(train, replica, cfg.replicas, cfg.batch_size, cfg.seed)
     # Each process starts from its own random weights: only the live heal
-    # (init_sync at step 0, recovery later) makes the replicas agree.
-    model = task.make_model(seed=cfg.seed * 1000 + replica * 10 + attempt)
+    # (init_sync at step 0, recovery later) makes the replicas agree. The
+    # baseline's start from those its failure run began with.
+    init = replica if cfg.init_replica is None or attempt else cfg.init_replica
+    model = task.make_model(seed=cfg.seed * 1000 + init * 10 + attempt)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     own_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     timeout = timedelta(seconds=cfg.timeout_s)
@@ -226,6 +242,16 @@ def replica_main(ctx: RankContext, cfg: WorkerConfig, attempt: int) -> None:
         # DiLoCo needs a heal applied before it takes its pseudo-gradients.
         use_async_quorum=cfg.algorithm != "diloco",
     )
+    batches: ShardBatches | ExactBatches
+    if cfg.algorithm == "ddp" and cfg.sampler == "exact":
+        # Before the first quorum: the sampler registers its settings with
+        # the Manager (a healing group receives them, a differing one heals).
+        batches = ExactBatches(
+            train, manager, cfg.batch_size * cfg.replicas, cfg.micro_batch_size, cfg.seed
+        )
+    else:
+        ddp = cfg.algorithm == "ddp"
+        batches = ShardBatches(train, replica, cfg.replicas, cfg.batch_size, cfg.seed, ledger=ddp)
     log.write(UpEvent(pid=os.getpid(), attempt=attempt, replica_id=manager.replica_id()))
     if attempt == 0:
         # Start together, as a job does: the first quorum then holds every
@@ -236,6 +262,7 @@ def replica_main(ctx: RankContext, cfg: WorkerConfig, attempt: int) -> None:
             time.sleep(0.02)
     try:
         if cfg.algorithm == "diloco":
+            assert isinstance(batches, ShardBatches)
             digest, what = _train_diloco(cfg, manager, model, optim, batches, control, log)
         else:
             train_ddp(manager, model, optim, batches, control, log, cfg.step_interval_s)
@@ -277,15 +304,38 @@ def _emit_step(
         log.write(HealEvent(**timeline.as_dict()))
 
 
-def log_step(log: EventLog, manager: Any, step: int, loss: torch.Tensor, heals_seen: int) -> int:
+def log_step(
+    log: EventLog, manager: Any, step: int, loss: torch.Tensor | float, heals_seen: int
+) -> int:
     """Log a finished step (and the heals since ``heals_seen``) as events.
 
     Returns:
         How many heal timelines have been logged now.
     """
     timelines = manager.heal_timelines[heals_seen:]
-    _emit_step(log, manager, step, manager.current_step() > step, loss.item(), timelines)
+    _emit_step(log, manager, step, manager.current_step() > step, float(loss), timelines)
     return heals_seen + len(timelines)
+
+
+def _take(log: EventLog, manager: Any, reading: Reading) -> None:
+    """Record the step's samples before the backward can contribute them.
+
+    A group killed after its gradient reached the step's allreduce (and
+    before its ``step`` line) has still written this: the ledger counts its
+    samples when the step commits.
+    """
+    # First: it waits for the step's quorum, whose id is then the step's.
+    # A healing group's gradient is zeros.
+    participating = manager.is_participating()
+    log.write(
+        TakeEvent(
+            step=reading.step,
+            quorum_id=manager.quorum_id(),
+            epoch=reading.epoch,
+            participating=participating,
+            ids=reading.ids,
+        )
+    )
 
 
 def _read_stop(control: Any, stop: int | None) -> int | None:
@@ -298,7 +348,7 @@ def train_ddp(
     manager: Any,
     model: nn.Module,
     optim: torch.optim.Optimizer,
-    batches: _Batches,
+    batches: ShardBatches | ExactBatches,
     control: Any,
     log: EventLog,
     step_interval_s: float,
@@ -306,7 +356,9 @@ def train_ddp(
     """Train with one allreduce of the gradients per step until the stop step.
 
     Each step takes at least ``step_interval_s``; each is logged to ``log``
-    (:func:`log_step`). The stop step is read from ``control`` (``STOP_KEY``).
+    (:func:`log_step`), with its samples first when ``batches.ledger``, and
+    checked (``batches.verify``) before it commits. The stop step is read
+    from ``control`` (``STOP_KEY``).
     """
     from ftdist.ddp import DistributedDataParallel
     from ftdist.optim import OptimizerWrapper
@@ -322,9 +374,11 @@ def train_ddp(
         if stop is not None and step >= stop:
             break
         opt.zero_grad()
-        x, y = batches(step)
-        loss = nn.functional.cross_entropy(ddp(x), y)
-        loss.backward()
+        reading = batches.read(manager, step)
+        if batches.ledger and reading.epoch >= 0:
+            _take(log, manager, reading)
+        loss = backward(ddp, reading)
+        batches.verify(reading)
         opt.step()
         heals_seen = log_step(log, manager, step, loss, heals_seen)
         spare = step_interval_s - (time.monotonic() - began)
@@ -337,7 +391,7 @@ def _train_diloco(
     manager: Any,
     model: nn.Module,
     inner: torch.optim.Optimizer,
-    batches: _Batches,
+    batches: ShardBatches,
     control: Any,
     log: EventLog,
 ) -> tuple[str, str]:
