@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ftdist.launch.ranks import RankContext
+from tests.integration.ft_training import replica_store
 from tests.integration.lighthouse_helpers import wait_for_heartbeats, wait_for_quorum_request
 
 # Where a rank may kill itself during a step (the heal's two sides are
@@ -137,18 +138,6 @@ def _loss(theta: torch.Tensor, ids: list[int], data: Any, scale: float) -> torch
 # -- the trainer -------------------------------------------------------------------------------
 
 
-def _replica_store(
-    ctx: RankContext, replica: int, group_rank: int, attempt: int
-) -> tuple[dist.TCPStore | None, int]:
-    harness = ctx.store()
-    key = f"replica{replica}/attempt{attempt}/store_port"
-    if group_rank == 0:
-        own = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        harness.set(key, str(own.port))
-        return own, own.port
-    return None, int(harness.get(key))
-
-
 class _Ledger:
     """This process's ledger file: one JSON line per ``write`` (a kill leaves whole lines)."""
 
@@ -214,7 +203,7 @@ def exact_train(
     torch.set_num_threads(1)  # the same kernels, in the same order, in every process
     actions = (actions_by_rank or {}).get(ctx.rank, {})
     replica, group_rank = divmod(ctx.rank, group_size)
-    own_store, port = _replica_store(ctx, replica, group_rank, attempt)
+    own_store, port = replica_store(ctx, replica, group_rank, attempt)
     ledger = _Ledger(job.ledger, replica, group_rank, attempt)
     data = mlp_data(job.dataset_len) if job.model == "mlp" else None
     initial = mlp_init() if data is not None else torch.zeros(job.dataset_len)

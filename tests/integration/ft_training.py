@@ -68,9 +68,10 @@ def _die_while_serving(ctx: RankContext, manager: Any) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _replica_store(
+def replica_store(
     ctx: RankContext, replica: int, group_rank: int, attempt: int
 ) -> tuple[dist.TCPStore | None, int]:
+    """The replica group's own store: group rank 0 hosts it (a new one per attempt)."""
     harness = ctx.store()
     key = f"replica{replica}/attempt{attempt}/store_port"
     if group_rank == 0:
@@ -116,7 +117,7 @@ def train(
             level=logging.INFO, format=f"%(asctime)s r{ctx.rank} %(name)s: %(message)s"
         )
     replica, group_rank = divmod(ctx.rank, group_size)
-    own_store, port = _replica_store(ctx, replica, group_rank, attempt)
+    own_store, port = replica_store(ctx, replica, group_rank, attempt)
     model, optim = model_and_optim(
         seed=actions.get("seed", 100 * replica + 7 * attempt + group_rank),
         batchnorm=actions.get("batchnorm", False),
