@@ -157,6 +157,9 @@ def test_status_cli_asks_the_leader_and_prints_the_replicas(
     leader = replicas.wait_leader()
     follower = (leader + 1) % 3
     _settled_document(replicas, follower, leader)
+    # The output is the leader's document: its view of the replica set (read
+    # from etcd every ~2 s) must be complete too.
+    _settled_document(replicas, leader, leader)
     # A heartbeat only the leader holds: seen in the output, it proves the
     # quorum part is the leader's document although a follower answered.
     with LighthouseClient(replicas.addresses[leader], TIMEOUT) as client:
