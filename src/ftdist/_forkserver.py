@@ -21,13 +21,6 @@ PRELOAD = [
 ]
 
 
-# What a Baby process group's child needs: a rank starts its own fork server
-# for it (cold, on the step's critical path when the group is first built),
-# and the full list above doubles that start (3.3 s against 7.2 s of wall
-# time here; 30 s and more on a machine loaded six times over).
-BABY_PRELOAD = ["torch", "torch.distributed", "ftdist.process_group"]
-
-
 def forkserver_context(preload: list[str] | None = None) -> mp.context.ForkServerContext:
     """The ``forkserver`` context with torch preloaded.
 

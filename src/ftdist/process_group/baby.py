@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ftdist._durations import as_timedelta
-from ftdist._forkserver import BABY_PRELOAD, forkserver_context
+from ftdist._forkserver import forkserver_context
 from ftdist.errors import (
     BackendProcessError,
     CollectiveTimeoutError,
@@ -316,7 +316,7 @@ class _SparePool:
 
     @staticmethod
     def _start() -> tuple[Any, Connection]:
-        ctx = forkserver_context(BABY_PRELOAD)
+        ctx = forkserver_context()
         parent_end, child_end = ctx.Pipe(duplex=True)
         proc = ctx.Process(target=child_main, args=(child_end,), name="ftdist-baby", daemon=True)
         proc.start()
