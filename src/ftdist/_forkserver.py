@@ -21,20 +21,15 @@ PRELOAD = [
 ]
 
 
-def forkserver_context(preload: list[str] | None = None) -> mp.context.ForkServerContext:
+def forkserver_context() -> mp.context.ForkServerContext:
     """The ``forkserver`` context with torch preloaded.
 
     The fork server is a clean process (no threads, no Gloo, no CUDA), so
     forking from it is safe where forking the trainer would not be.
-
-    Args:
-        preload: the modules the fork server imports when it starts
-            (default :data:`PRELOAD`); a process has one fork server, so the
-            first caller's list is the one used.
     """
     ctx = mp.get_context("forkserver")
     # Read when the fork server first starts; harmless to repeat.
-    ctx.set_forkserver_preload(PRELOAD if preload is None else preload)
+    ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 

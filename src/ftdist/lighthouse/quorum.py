@@ -53,6 +53,7 @@ from ftdist.lighthouse.partition import exclude_partitioned
 # The key of a member's ``data`` JSON object that reports the last quorum id
 # its manager used (see next_quorum_id's ``seen``).
 QUORUM_ID_KEY = "quorum_id"
+_DECODER = json.JSONDecoder()
 
 __all__ = [
     "QUORUM_ID_KEY",
@@ -349,11 +350,19 @@ def reported_quorum_id(data: str) -> int:
     ftdist's managers report it; torchft's send other data (or none), which
     reads as 0. Anything malformed reads as 0 too.
     """
-    if not data or QUORUM_ID_KEY not in data:  # cheap: skip parsing most data
+    # Read on every formation, for every member: decode the one value, not
+    # the whole document (ftdist's managers put the key at its top level).
+    at = data.find(f'"{QUORUM_ID_KEY}"') if data else -1
+    if at < 0 or not data.lstrip().startswith("{"):
         return 0
+    colon = data.find(":", at + len(QUORUM_ID_KEY) + 2)
+    if colon < 0:
+        return 0
+    start = colon + 1
+    while start < len(data) and data[start] in " \t\r\n":
+        start += 1
     try:
-        document = json.loads(data)
+        value, _ = _DECODER.raw_decode(data, start)
     except ValueError:
         return 0
-    value = document.get(QUORUM_ID_KEY) if isinstance(document, dict) else None
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

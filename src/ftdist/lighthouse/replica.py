@@ -395,10 +395,7 @@ class LighthouseReplica:
                 pass  # it ran out anyway
         sent = self._clock()
         lease = self._client.grant(self.config.lease_ttl)
-        info = json.dumps(
-            {"name": self.name, "address": self.address, "dashboard": self.dashboard}
-        ).encode()
-        self._client.put(self._replica_key, info, lease=lease.id)
+        self._client.put(self._replica_key, self._info(), lease=lease.id)
         with self._lock:
             self._lease_id = lease.id
             self._lease = LeaseView(float(lease.ttl_s), sent)
