@@ -11,12 +11,20 @@ soon as the last previous member asks again.
 The lighthouse runs in its own process, started fresh for each N, so that the
 client and the server do not share an interpreter. By default that is
 ``ftdist lighthouse``; ``--server-cmd`` benchmarks any other lighthouse with
-the same client, for example torchft's::
+the same client.
 
-    python bench/lighthouse.py --server-cmd \\
-        "torchft_lighthouse --bind 127.0.0.1:{port} --min_replicas {n}"
+**Side by side with torchft.** Where torchft is installed, every N is run
+against ``ftdist lighthouse`` and torchft's Rust ``torchft_lighthouse`` in the
+order ftdist, torchft, torchft, ftdist (this shared machine drifts, and the
+order cancels a drift), and the line ``ratio`` is ftdist's mean steady p50
+over torchft's (``--against none`` skips torchft).
 
-Run it: ``python bench/lighthouse.py [--sizes 2,8,64,256,1024] [--rounds R]``.
+**Clients.** ``--client native`` (the default where torchft is installed) is
+torchft's own ``LighthouseClient`` (Rust, one per replica group, each called
+from its own thread, as torchft's managers call it); ``--client aio`` is N
+``grpc.aio`` channels in one asyncio loop.
+
+Run it: ``python bench/lighthouse.py [--sizes 2,64,256,512,1024] [--rounds R]``.
 
 ``--token both`` runs every N twice, against a lighthouse without and with a
 job token, and prints the ratio of the steady p50s: the lighthouse's cost of
@@ -31,11 +39,15 @@ import argparse
 import asyncio
 import os
 import shlex
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
+from datetime import timedelta
 
 import grpc
 import grpc.aio
@@ -48,11 +60,22 @@ _DEFAULT_SERVER = (
     f"{shlex.quote(sys.executable)} -m ftdist.cli lighthouse --bind 127.0.0.1:{{port}} "
     "--min-replicas {n} --http-port -1"
 )
+_TORCHFT_SERVER = "{torchft} --bind 127.0.0.1:{{port}} --min_replicas {{n}}"
 
 
-# Steady-round p50 of torchft's Rust lighthouse on the project's 2-core
-# machine under this kind of client, as quoted in the lighthouse issue.
-_TORCHFT_P50_MS = {2: 1.4, 64: 19.0, 256: 129.0}
+def _torchft_server_cmd() -> str | None:
+    """torchft's Rust lighthouse, next to this interpreter or on PATH (None: not installed)."""
+    beside = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
+    found = beside if os.access(beside, os.X_OK) else shutil.which("torchft_lighthouse")
+    return _TORCHFT_SERVER.format(torchft=shlex.quote(found)) if found else None
+
+
+def _has_native_client() -> bool:
+    try:
+        from torchft._torchft import LighthouseClient  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _free_port() -> int:
@@ -118,6 +141,65 @@ async def _run_size(
         await asyncio.gather(*(r.channel.close() for r in replicas))
 
 
+def _run_size_native(
+    address: str, n: int, rounds: int, timeout: float
+) -> tuple[float, list[float]]:
+    """The rounds with torchft's native clients, one thread per replica group."""
+    from torchft._torchft import LighthouseClient
+
+    deadline = timedelta(seconds=timeout)
+    clients = [LighthouseClient(f"http://{address}", deadline) for _ in range(n)]
+    go = threading.Barrier(n + 1, timeout=timeout)
+    done = threading.Barrier(n + 1, timeout=timeout)
+    ends = [0.0] * n
+    sizes = [0] * n
+    errors: list[BaseException] = []
+
+    def member(i: int) -> None:
+        replica_id = f"replica_{i:04d}"
+        try:
+            for step in range(rounds + 1):
+                go.wait()
+                try:
+                    clients[i].heartbeat(replica_id, timeout=deadline)
+                    quorum = clients[i].quorum(
+                        replica_id=replica_id,
+                        timeout=deadline,
+                        address=f"http://127.0.0.1:1/{replica_id}",
+                        store_address="127.0.0.1:2",
+                        step=step,
+                        world_size=1,
+                    )
+                    sizes[i] = len(quorum.participants)
+                except Exception as exc:  # reported by the main thread
+                    errors.append(exc)
+                ends[i] = time.perf_counter()
+                done.wait()
+        except threading.BrokenBarrierError:
+            return
+
+    threads = [threading.Thread(target=member, args=(i,), daemon=True) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    latencies: list[float] = []
+    try:
+        for step in range(rounds + 1):
+            go.wait()
+            start = time.perf_counter()
+            done.wait()
+            latencies.append(max(ends) - start)
+            if errors:
+                raise RuntimeError(f"round {step}: {errors[0]!r}")
+            if any(size != n for size in sizes):
+                raise RuntimeError(f"round {step}: expected {n} members, got {set(sizes)}")
+    finally:
+        go.abort()
+        done.abort()
+        for thread in threads:
+            thread.join(timeout)
+    return latencies[0], latencies[1:]
+
+
 def _wait_ready(address: str, proc: subprocess.Popen[bytes], deadline_s: float) -> None:
     channel = grpc.insecure_channel(address)
     try:
@@ -145,7 +227,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", default="2,8,64,256,1024", help="comma-separated N values")
+    parser.add_argument("--sizes", default="2,8,64,256,512,1024", help="comma-separated N values")
     parser.add_argument(
         "--rounds", type=int, default=0, help="steady rounds per N (default: by N, 20 to 300)"
     )
@@ -154,42 +236,102 @@ def main() -> int:
         default=_DEFAULT_SERVER,
         help="lighthouse command; {port} and {n} are substituted (default: ftdist lighthouse)",
     )
+    parser.add_argument(
+        "--against",
+        choices=["torchft", "none"],
+        default="torchft" if _torchft_server_cmd() else "none",
+        help="also run torchft's Rust lighthouse for every N and print the ratio "
+        "[default: torchft where installed]",
+    )
+    parser.add_argument(
+        "--client",
+        choices=["native", "aio"],
+        default="native" if _has_native_client() else "aio",
+        help="torchft's native LighthouseClient per group, or grpc.aio channels "
+        "[default: native where torchft is installed]",
+    )
     parser.add_argument("--timeout", type=float, default=60.0, help="per-RPC timeout, seconds")
     parser.add_argument(
         "--token",
         choices=["off", "on", "both"],
         default="off",
         help="run without a job token, with one, or both (then the p50 ratio is the "
-        "token check's cost) [default: off]",
+        "token check's cost) [default: off]; needs --client aio",
     )
     args = parser.parse_args()
+    if args.token != "off" and args.client == "native":
+        parser.error("--token needs --client aio (torchft's native client sends no token)")
+    if args.against == "torchft" and _torchft_server_cmd() is None:
+        parser.error("--against torchft: torchft_lighthouse is not installed")
 
+    print(f"client: {args.client}; {_load()}")
     print(
-        f"{'N':>5} {'token':>5} {'first quorum':>13} {'p50 round':>10} {'p99 round':>10} "
-        f"{'rounds':>7}  {'mean':>9}  vs torchft p50 (issue)"
+        f"{'N':>5} {'server':>7} {'token':>5} {'first quorum':>13} {'p50 round':>10} "
+        f"{'p99 round':>10} {'rounds':>7}  {'mean':>9}"
     )
     # "both" runs off, on, on, off: the machine drifts during a run (the
     # second of two runs is often the slower), and the order cancels that.
-    both = [None, _BENCH_TOKEN, _BENCH_TOKEN, None]
-    modes = {"off": [None], "on": [_BENCH_TOKEN], "both": both}[args.token]
+    both: list[str | None] = [None, _BENCH_TOKEN, _BENCH_TOKEN, None]
+    choices: dict[str, list[str | None]] = {"off": [None], "on": [_BENCH_TOKEN], "both": both}
+    modes = choices[args.token]
+    ratios: dict[int, float] = {}
     for n in (int(x) for x in args.sizes.split(",")):
         rounds = args.rounds or max(20, min(300, 6000 // n))
-        p50s: dict[bool, list[float]] = {False: [], True: []}
+        if args.against == "torchft":
+            torchft_cmd = _torchft_server_cmd()
+            assert torchft_cmd is not None
+            p50s: dict[str, list[float]] = {"ftdist": [], "torchft": []}
+            for name in ("ftdist", "torchft", "torchft", "ftdist"):
+                cmd = args.server_cmd if name == "ftdist" else torchft_cmd
+                steady, line = _measure(args, cmd, name, n, rounds, None, send=False)
+                p50s[name].append(_percentile(steady, 0.5))
+                print(line, flush=True)
+            ratios[n] = statistics.fmean(p50s["ftdist"]) / statistics.fmean(p50s["torchft"])
+            print(
+                f"{n:>5} ratio: ftdist / torchft mean steady p50 = {ratios[n]:.2f}x "
+                f"({statistics.fmean(p50s['ftdist']) * 1e3:.2f} / "
+                f"{statistics.fmean(p50s['torchft']) * 1e3:.2f} ms)",
+                flush=True,
+            )
+            continue
+        token_p50s: dict[bool, list[float]] = {False: [], True: []}
         for token in modes:
-            steady, line = _measure(args, n, rounds, token, send=args.token == "both" or token)
-            p50s[token is not None].append(_percentile(steady, 0.5))
+            send = args.token == "both" or token
+            steady, line = _measure(args, args.server_cmd, "ftdist", n, rounds, token, send)
+            token_p50s[token is not None].append(_percentile(steady, 0.5))
             print(line, flush=True)
         if args.token == "both":
-            ratio = statistics.fmean(p50s[True]) / statistics.fmean(p50s[False])
+            ratio = statistics.fmean(token_p50s[True]) / statistics.fmean(token_p50s[False])
             print(f"{n:>5} token check: mean p50 with / without = {ratio:.3f}", flush=True)
+    if ratios:
+        print("\nsummary (ftdist / torchft steady p50, same run, same client):")
+        print("  " + "  ".join(f"N={n}: {r:.2f}x" for n, r in ratios.items()))
+        worst = max(ratios.values())
+        print(
+            f"  {'PASS' if worst <= 1.0 else 'MISS'}  at most 1.0x at every N: worst {worst:.2f}x"
+        )
     return 0
 
 
+def _load() -> str:
+    try:
+        one, five, _ = os.getloadavg()
+    except OSError:
+        return "load unknown"
+    return f"{os.cpu_count()} cores, load average {one:.2f} (1 min), {five:.2f} (5 min)"
+
+
 def _measure(
-    args: argparse.Namespace, n: int, rounds: int, token: str | None, send: object
+    args: argparse.Namespace,
+    server_cmd: str,
+    name: str,
+    n: int,
+    rounds: int,
+    token: str | None,
+    send: object,
 ) -> tuple[list[float], str]:
     port = _free_port()
-    cmd = shlex.split(args.server_cmd.format(port=port, n=n))
+    cmd = shlex.split(server_cmd.format(port=port, n=n))
     env = {k: v for k, v in os.environ.items() if not k.startswith("FTDIST_JOB_TOKEN")}
     if token is not None:
         env["FTDIST_JOB_TOKEN"] = token
@@ -197,8 +339,13 @@ def _measure(
     try:
         address = f"127.0.0.1:{port}"
         _wait_ready(address, proc, deadline_s=30.0)
-        sent = _BENCH_TOKEN if send else None
-        first, steady = asyncio.run(_run_size(address, n, rounds, args.timeout, sent))
+        run: Callable[[], tuple[float, list[float]]]
+        if args.client == "native":
+            run = lambda: _run_size_native(address, n, rounds, args.timeout)  # noqa: E731
+        else:
+            sent = _BENCH_TOKEN if send else None
+            run = lambda: asyncio.run(_run_size(address, n, rounds, args.timeout, sent))  # noqa: E731
+        first, steady = run()
     finally:
         proc.terminate()
         try:
@@ -206,13 +353,10 @@ def _measure(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    p50_ms = _percentile(steady, 0.5) * 1e3
-    reference = _TORCHFT_P50_MS.get(n)
-    versus = f"{reference:g} ms -> {p50_ms / reference:.2f}x" if reference else "-"
     line = (
-        f"{n:>5} {'on' if token else 'off':>5} {first * 1e3:>10.1f} ms {p50_ms:>7.2f} ms "
-        f"{_percentile(steady, 0.99) * 1e3:>7.2f} ms {len(steady):>7}  "
-        f"{statistics.fmean(steady) * 1e3:>6.2f} ms  {versus}"
+        f"{n:>5} {name:>7} {'on' if token else 'off':>5} {first * 1e3:>10.1f} ms "
+        f"{_percentile(steady, 0.5) * 1e3:>7.2f} ms {_percentile(steady, 0.99) * 1e3:>7.2f} ms "
+        f"{len(steady):>7}  {statistics.fmean(steady) * 1e3:>6.2f} ms"
     )
     return steady, line
 

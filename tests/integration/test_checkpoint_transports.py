@@ -411,8 +411,13 @@ def _multi_recovery(ctx: RankContext, kind: str) -> dict[str, Any]:
         state = _dtensor_state()
         mine = _dtensor_state()  # a recovering replica's own state, received into in place
         transport: Any
-        if kind == "http":
-            transport = HTTPTransport[State](TIMEOUT, num_chunks=0, hostname="127.0.0.1")
+        if kind.startswith("http"):
+            transport = HTTPTransport[State](
+                TIMEOUT,
+                num_chunks=0,
+                hostname="127.0.0.1",
+                state_dict=(lambda: mine) if kind == "http-in-place" else None,
+            )
             if ctx.rank == 0:
                 store.set("metadata", transport.metadata())
             metadata = store.get("metadata").decode()
@@ -455,12 +460,14 @@ def _multi_recovery(ctx: RankContext, kind: str) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("kind", ["http", "pg"])
+@pytest.mark.parametrize("kind", ["http", "http-in-place", "pg"])
 def test_multi_recovery_with_dtensors(kind: str) -> None:
     results = run_ranks(_multi_recovery, 3, kind, timeout=80)
     assert re.search(TIMEOUT_REGEX, results[2]["timeout"]), results[2]["timeout"]
-    # The PG transport received the DTensor's shard into the target's own local tensor.
-    assert results[1]["in_place"] is (kind == "pg") and results[2]["in_place"] is (kind == "pg")
+    # Given state_dict=, the transports received the DTensor's shard into the
+    # target's own local tensor.
+    in_place = kind != "http"
+    assert results[1]["in_place"] is in_place and results[2]["in_place"] is in_place
 
 
 def _pg_round_trip(ctx: RankContext, in_place: bool, wrong_step: bool) -> object:

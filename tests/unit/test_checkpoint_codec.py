@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ftdist.checkpointing import _wire
+from ftdist.checkpointing._checksum import WordSum
 from ftdist.errors import CheckpointError
 from tests.unit.checkpoint_helpers import assert_identical, decode, round_trip, stream_bytes
 
@@ -169,7 +170,9 @@ def _stream_with_header(doc: Any, body: bytes = b"", crc: int | None = None) -> 
         "<8sQQII", _wire.MAGIC, len(raw), len(body), zlib.crc32(raw) if crc is None else crc, 0
     )
     head = prefix + raw + body
-    return head + struct.pack("<QQ", len(head), zlib.crc32(head))
+    digest = WordSum()
+    digest.update(body)  # one tensor at most: one segment
+    return head + struct.pack("<QQQ", len(head), *digest.digest())
 
 
 def _valid_doc() -> dict[str, Any]:
@@ -198,7 +201,7 @@ _PAYLOAD = "cos\nsystem\n(S'echo pwned'\ntR."
         (lambda d: d["tree"][1].append(["z", ["T", 9]]), "invalid"),
         (lambda d: d.update(carried=[0, 0]), "repeats"),
         (lambda d: d.update(step="1"), "step"),
-        (lambda d: d.update(format=1), "version-2"),
+        (lambda d: d.update(format=2), "version-3"),
         (lambda d: d["tree"][1].append([["dict", []], 1]), "unhashable"),
         (lambda d: d["tree"][1].append([["bytes", "!!"], 1]), "bytes"),
         (lambda d: d["tree"][1].append([1, 2, 3]), "pair"),
@@ -252,6 +255,7 @@ def test_a_long_header_is_refused_before_it_is_read() -> None:
     ("data", "match"),
     [
         (b"FTDSTCK1" + bytes(40), "older ftdist checkpoint format"),
+        (b"FTDCKPT2" + bytes(40), "older ftdist checkpoint format"),
         (b"GET / HTTP/1.0\r\n\r\n" + bytes(40), "did not send an ftdist checkpoint"),
         (struct.pack("<8sQQII", _wire.MAGIC, 0, 0, 0, 0), "header of 0 bytes"),
     ],

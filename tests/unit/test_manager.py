@@ -383,13 +383,27 @@ def test_a_heal_is_applied_even_when_the_step_already_failed(make: Any) -> None:
 
 def test_the_step_does_not_move_before_the_state_is_applied(make: Any) -> None:
     manager, client, _, model = make(transport=MemoryTransport(state=_healed_state(9.0, 5)))
+    manager.load_state_dict({"step": 2, "batches_committed": 2})  # it committed before
     client.push_quorum(_heal_quorum(5))
     manager.start_quorum()
     manager.wait_quorum()  # the round has received the state...
-    assert manager.current_step() == 0  # ...but neither the step nor the weights moved
+    assert manager.current_step() == 2  # ...but neither the step nor the weights moved
     assert model.w.tolist() == [0.0] * 3
     assert manager.should_commit()
     assert (manager.current_step(), model.w.tolist()) == (6, [9.0] * 3)
+
+
+def test_a_replica_that_never_committed_heals_before_its_first_forward(make: Any) -> None:
+    # A fresh replacement: its forward would run on weights about to be
+    # replaced. The heal is applied as the round ends, step and weights
+    # together, and the step still counts it as healing (it adds zeros).
+    manager, client, _, model = make(transport=MemoryTransport(state=_healed_state(9.0, 5)))
+    client.push_quorum(_heal_quorum(5))
+    manager.start_quorum()
+    assert (manager.current_step(), model.w.tolist()) == (5, [9.0] * 3)
+    assert not manager.is_participating()
+    assert manager.should_commit()
+    assert manager.current_step() == 6
 
 
 def test_a_group_applies_a_heal_only_if_every_rank_received_its_part(make: Any) -> None:

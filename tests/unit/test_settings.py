@@ -26,6 +26,7 @@ READERS = {
     "local_sgd/config.py": "LocalSGD's settings",
     "coordinator/config.py": "the coordinator's settings",
     "_auth.py": "the job token and TLS files (read in one place for every server)",
+    "_advertise.py": "the advertised address (read in one place for every server)",
     "futures.py": "the watchdog interval",
     "otel.py": "OpenTelemetry export",
     "launch/dist_env.py": "torch.distributed's variables of a launched child (read and set)",

@@ -35,6 +35,7 @@ import socket
 import threading
 import time
 import urllib.error
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from email.message import Message
@@ -44,10 +45,12 @@ from urllib.parse import urlsplit
 import torch
 
 from ftdist import _auth
+from ftdist._advertise import advertised_host, log_advertised
 from ftdist.checkpointing import _wire
 from ftdist.checkpointing._codec import LeafMeta
 from ftdist.checkpointing._http_server import CheckpointServer, Request
 from ftdist.checkpointing._rwlock import LockClosedError, RWLock
+from ftdist.checkpointing._targets import in_place_targets
 from ftdist.checkpointing.transport import CheckpointTransport, TransferStats
 from ftdist.errors import CheckpointError
 
@@ -114,15 +117,22 @@ class HTTPTransport(CheckpointTransport[T]):
             waits for transfers in flight before cutting them off.
         num_chunks: 0 or 1 for one stream; more for that many parallel
             streams (helps where one TCP stream cannot fill the link).
-        hostname: the name peers use to reach this server (default: this
-            host's name).
+        hostname: the name peers use to reach this server (default:
+            ``FTDIST_ADVERTISE_ADDR``, else ``FTDIST_ADVERTISE_IFNAME``'s
+            address, else this host's name).
         token: the job token; peers must present it to fetch this rank's
             state, and it is presented to peers. Default: ``FTDIST_JOB_TOKEN``
             or ``FTDIST_JOB_TOKEN_FILE``; without any, the server is open (as
             torchft's is) and says so once in the log.
+        state_dict: optional, as :class:`PGTransport`'s: returns the
+            receiver's current state (or None), whose CPU tensors are
+            overwritten in place where they match (no fresh memory to fault
+            in, about 1.3x the speed). A fetch that fails half-way leaves
+            them half overwritten.
 
     Raises:
-        ValueError: ``num_chunks`` is negative, or the token is malformed.
+        ValueError: ``num_chunks`` is negative, the token is malformed, or
+            ``FTDIST_ADVERTISE_IFNAME`` names no interface with an address.
         TypeError: ``timeout`` is not a timedelta.
         OSError: the token file cannot be read.
     """
@@ -133,6 +143,7 @@ class HTTPTransport(CheckpointTransport[T]):
         num_chunks: int = 0,
         hostname: str | None = None,
         token: str | None = None,
+        state_dict: Callable[[], object] | None = None,
     ) -> None:
         if not isinstance(timeout, timedelta):
             raise TypeError(f"timeout must be a datetime.timedelta, got {timeout!r}")
@@ -140,7 +151,8 @@ class HTTPTransport(CheckpointTransport[T]):
             raise ValueError(f"num_chunks must be an int >= 0, got {num_chunks!r}")
         self._timeout = timeout
         self._num_chunks = num_chunks
-        self._hostname = hostname or socket.gethostname()
+        self._receive_into = state_dict
+        self._hostname = advertised_host(hostname)
         self._token = _auth.job_token(token)
         _auth.warn_if_open(self._token, "the checkpoint server")
         # torchft's names, which its tests read.
@@ -154,6 +166,7 @@ class HTTPTransport(CheckpointTransport[T]):
         self.last_transfer: TransferStats | None = None
         self.disallow_checkpoint()  # nothing is served before send_checkpoint
         self._server = CheckpointServer(self._answer, timeout.total_seconds(), self._token)
+        log_advertised("the checkpoint server", self._hostname, self._server.port)
 
     # -- serving -------------------------------------------------------------
     def _answer(self, req: Request, step: int, key: str) -> None:
@@ -305,6 +318,7 @@ class HTTPTransport(CheckpointTransport[T]):
     def _fetch(
         self, url: str, step: int, timeout: timedelta
     ) -> tuple[_wire.Header, dict[int, torch.Tensor], int]:
+        cpu = torch.device("cpu")
         parts = urlsplit(url)
         seconds = timeout.total_seconds()
         conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=seconds)
@@ -318,7 +332,13 @@ class HTTPTransport(CheckpointTransport[T]):
                 body = resp.read(2000)
                 raise CheckpointHTTPError(url, resp.status, resp.reason, resp.headers, body)
             reader = _wire.StreamReader(resp.readinto, url)
-            header, tensors = _wire.read_leaves(reader, step, _default_device, size=resp.length)
+            header, tensors = _wire.read_leaves(
+                reader,
+                step,
+                _default_device,
+                size=resp.length,
+                targets=lambda header: in_place_targets(self._receive_into, header, cpu),
+            )
             return header, tensors, reader.total
         except CheckpointError:
             raise

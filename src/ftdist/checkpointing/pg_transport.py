@@ -12,46 +12,35 @@ Tensors are received in place into the recovering replica's own tensors when
 it provides them (``state_dict=``) and they match (same path, dtype, shape,
 strides and device type; for a DTensor, its local tensor). The header's
 CRC-32 is checked before it is decoded, the step before any tensor is
-received, and the whole stream's CRC-32 at the end.
+received, and the byte count and word sums of the tensor data at the end.
 """
 
 from __future__ import annotations
 
+import collections
 import time
-import zlib
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
 import torch
 
-from ftdist.checkpointing import _dtensor, _wire
-from ftdist.checkpointing._codec import LeafMeta
+from ftdist.checkpointing import _wire
+from ftdist.checkpointing._checksum import WordSum
+from ftdist.checkpointing._prefault import Prefaulter
+from ftdist.checkpointing._targets import in_place_targets
 from ftdist.checkpointing.transport import CheckpointTransport, TransferStats
 from ftdist.errors import CollectiveTimeoutError
 
 T = TypeVar("T")
 
 _TAG_PREFIX, _TAG_HEADER, _TAG_TRAILER, _TAG_TENSOR = 1, 2, 3, 16
+# Receives posted ahead of the one being summed.
+_IN_FLIGHT = 3
 
 
 def _on(device: torch.device, data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-
-
-def _targets(state: Any) -> dict[tuple[Any, ...], torch.Tensor]:
-    """The tensors of a receiver's own state, by path (only dicts, lists and tuples are walked)."""
-    found: dict[tuple[Any, ...], torch.Tensor] = {}
-    stack: list[tuple[tuple[Any, ...], Any]] = [((), state)]
-    while stack:
-        path, obj = stack.pop()
-        if isinstance(obj, torch.Tensor):
-            found[path] = obj
-        elif isinstance(obj, dict):
-            stack.extend(((*path, k), v) for k, v in obj.items())
-        elif isinstance(obj, (list, tuple)) and len(path) < 100:
-            stack.extend(((*path, i), v) for i, v in enumerate(obj))
-    return found
 
 
 class PGTransport(CheckpointTransport[T]):
@@ -131,9 +120,9 @@ class PGTransport(CheckpointTransport[T]):
         stream = _wire.plan(state_dict, step)[0]
         prefix = _on(self._device, stream.head[: _wire.PREFIX_BYTES])
         header = _on(self._device, stream.head[_wire.PREFIX_BYTES :])
-        # The CRC is folded in while each tensor goes to the first peer (no
+        # The sums are taken while each tensor goes to the first peer (no
         # separate pass over the state); later peers reuse the trailer.
-        crc, total = zlib.crc32(stream.head), len(stream.head)
+        digest, total = WordSum(), len(stream.head)
         trailer: torch.Tensor | None = None
         for dst in dst_ranks:
             what = f"send to rank {dst}"
@@ -146,13 +135,13 @@ class PGTransport(CheckpointTransport[T]):
                 wire = flat.to(self._device)
                 work = self._pg.send([wire], dst, _TAG_TENSOR + i)
                 if trailer is None:
-                    # Checksum a host copy if there is one: a device tensor
-                    # would be copied to the host again for it.
-                    crc = _wire.crc_flat(crc, wire if wire.device.type == "cpu" else flat)
+                    # Sum a host copy if there is one: a device tensor would
+                    # be copied to the host again for it.
+                    _wire.sum_flat(digest, wire if wire.device.type == "cpu" else flat)
                     total += flat.numel()
                 self._wait(work, timeout, what)
             if trailer is None:
-                trailer = _on(self._device, _wire.trailer_bytes(total, crc))
+                trailer = _on(self._device, _wire.trailer_bytes(total, digest))
             self._wait(self._pg.send([trailer], dst, _TAG_TRAILER), timeout, what)
         self.last_transfer = TransferStats(total * len(dst_ranks), time.perf_counter() - start)
 
@@ -168,7 +157,7 @@ class PGTransport(CheckpointTransport[T]):
 
         Raises:
             CheckpointError: wrong step, a malformed header, or data that
-                does not match its CRC.
+                does not match its checksums.
             CommunicationError: a receive failed or timed out (a timeout aborts
                 the group: later transfers fail at once until it is reconfigured).
         """
@@ -180,52 +169,44 @@ class PGTransport(CheckpointTransport[T]):
         raw = self._recv_bytes(header_len, src_rank, _TAG_HEADER, timeout)
         header = _wire.parse_header(raw, header_crc, body_len, what)
         _wire.check_step(header, step, what)
-        targets = self._in_place_targets(header)
+        targets = in_place_targets(self._state_dict, header, self._device)
+        carried = header.carried
         tensors: dict[int, torch.Tensor] = {}
-        crc, total = zlib.crc32(prefix + raw), len(prefix) + len(raw)
-        for i, index in enumerate(header.carried):
-            meta = header.leaves[index]
-            dst = targets.get(index)
-            if dst is None:
-                dst = _wire.allocate(meta, self._device)
-            flat = _wire.flat_bytes(dst)
-            if flat.numel():
-                work = self._pg.recv([flat], src_rank, _TAG_TENSOR + i)
+        digest, total = WordSum(), len(prefix) + len(raw)
+        # Receives stay posted ahead: the sums of one tensor are taken while
+        # the next ones arrive, and Gloo's sender never waits for a post.
+        pending: collections.deque[tuple[torch.Tensor, Any]] = collections.deque()
+
+        with Prefaulter() as prefault:
+
+            def finish() -> None:
+                nonlocal total
+                flat, work = pending.popleft()
                 self._wait(work, timeout, f"receive from {what}")
-                crc = _wire.crc_flat(crc, flat)
+                _wire.sum_flat(digest, flat)
                 total += flat.numel()
-            tensors[index] = dst
+                prefault.advance(flat.numel())
+
+            ahead = 0  # the next leaf to allocate (fresh ones within the prefault window)
+            for pos, index in enumerate(carried):
+                while ahead <= pos or (ahead < len(carried) and prefault.wants_more()):
+                    leaf_index = carried[ahead]
+                    t = targets.get(leaf_index)
+                    fresh = t is None
+                    if t is None:
+                        t = _wire.allocate(header.leaves[leaf_index], self._device)
+                    tensors[leaf_index] = t
+                    prefault.add(t, fresh)
+                    ahead += 1
+                flat = _wire.flat_bytes(tensors[index])
+                if not flat.numel():
+                    continue
+                pending.append((flat, self._pg.recv([flat], src_rank, _TAG_TENSOR + pos)))
+                if len(pending) > _IN_FLIGHT:
+                    finish()
+            while pending:
+                finish()
         trailer = self._recv_bytes(_wire.TRAILER_BYTES, src_rank, _TAG_TRAILER, timeout)
-        _wire.check_trailer(trailer, total, crc, what)
+        _wire.check_trailer(trailer, total, digest, what)
         self.last_transfer = TransferStats(total, time.perf_counter() - start)
         return cast(T, _wire.assemble(header, tensors))
-
-    def _in_place_targets(self, header: _wire.Header) -> dict[int, torch.Tensor]:
-        if self._state_dict is None:
-            return {}
-        mine = _targets(self._state_dict())
-        _dtensor.remember_targets(list(mine.values()))
-        targets = {}
-        for index in header.carried:
-            meta = header.leaves[index]
-            target = mine.get(meta.path)
-            if target is None:
-                continue
-            if _dtensor.is_dtensor(target):
-                target = _dtensor.local_tensor(target)
-            target = target.detach()
-            if _fits(target, meta, self._device):
-                targets[index] = target
-        return targets
-
-
-def _fits(t: torch.Tensor, meta: LeafMeta, device: torch.device) -> bool:
-    """Whether ``t`` can receive ``meta``'s bytes in place, as laid out."""
-    if type(t) is not torch.Tensor or t.layout != torch.strided:
-        return False
-    if t.device.type != device.type or t.dtype != meta.dtype or tuple(t.shape) != meta.shape:
-        return False
-    # Strides of size-1 dimensions do not change the layout.
-    return all(
-        sz == 1 or a == b for sz, a, b in zip(meta.shape, t.stride(), meta.stride, strict=True)
-    )

@@ -44,7 +44,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import socket
 import threading
 from datetime import timedelta
 from typing import Any
@@ -52,6 +51,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from ftdist._advertise import advertised_host
 from ftdist._auth import tls_files, warn_if_open
 from ftdist._rpc import common as _rpc
 from ftdist._rpc._proto import ftdist_pb2, torchft_pb2
@@ -319,7 +319,7 @@ class LighthouseServer:
     def _public_host(self) -> str:
         host = self._host
         if host in ("", "::", "0.0.0.0"):
-            host = socket.gethostname()
+            host = advertised_host()
         return f"[{host}]" if ":" in host else host
 
     # -- dashboard hooks (called from the dashboard's threads) -------------

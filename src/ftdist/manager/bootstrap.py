@@ -23,6 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ftdist._advertise import log_advertised
 from ftdist.manager.client import ManagerClientLike
 from ftdist.manager.config import MANAGER_ADDR_KEY, REPLICA_ID_KEY, ManagerConfig
 from ftdist.manager.news import FailureNews
@@ -156,6 +157,9 @@ def bootstrap(
             heartbeat_interval=config.heartbeat_interval,
             connect_timeout=config.connect_timeout,
             quorum_retries=config.quorum_retries,
+        )
+        log_advertised(
+            "the manager server", config.hostname, int(server.address().rsplit(":", 1)[1])
         )
         store.set(LIGHTHOUSE_ADDR_KEY, config.lighthouse_addr)
         store.set(MANAGER_ADDR_KEY, server.address())

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import IntEnum
 from typing import Any
 
+from ftdist._advertise import advertised_host
 from ftdist.lighthouse.config import lighthouse_address
 
 DEFAULT_TIMEOUT = timedelta(seconds=60)
@@ -276,7 +276,7 @@ class ManagerConfig:
             group_world_size=group_world_size,
             store_addr=saddr,
             store_port=sport,
-            hostname=hostname or socket.gethostname(),
+            hostname=advertised_host(hostname, env),
             heartbeat_interval=_duration(
                 "heartbeat_interval", heartbeat_interval, {}, (), timedelta(milliseconds=100)
             ),

@@ -335,6 +335,11 @@ class Manager(TorchftInternals, StateRegistration):
             self.wait_quorum()
             self._await_round()  # takes the outcome, so that its heal is applied now
             self._settle_heal(self._timeout)
+        elif self._step == 0 and self._batches_committed == 0:
+            # Never committed (a fresh replacement): heal before a forward on
+            # weights about to be replaced; a healer still adds zeros (async).
+            self._await_round()
+            self._settle_heal(self._timeout)
 
     def wait_quorum(self) -> None:
         """Block until the quorum started by :meth:`start_quorum` is done.

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ftdist._advertise import log_advertised
 from ftdist.process_group import config
 
 
@@ -215,7 +216,9 @@ def host_store(
     """
     host = store_bind_host(hostname, environ)
     if host is None:
-        return dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        log_advertised("a process-group store", hostname, store.port)
+        return store
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -227,7 +230,7 @@ def host_store(
     port = sock.getsockname()[1]
     fd = sock.detach()  # the store owns the socket from here on and closes it
     try:
-        return dist.TCPStore(
+        store = dist.TCPStore(
             host,
             port,
             is_master=True,
@@ -239,3 +242,5 @@ def host_store(
         with contextlib.suppress(OSError):
             os.close(fd)
         raise
+    log_advertised("a process-group store", hostname, port)
+    return store

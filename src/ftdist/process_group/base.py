@@ -26,7 +26,6 @@ Use ``pg.rank()`` rather than ``dist.get_rank(pg)``, which needs a default group
 
 from __future__ import annotations
 
-import socket
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -38,6 +37,7 @@ import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup as BaseProcessGroup
 
+from ftdist._advertise import advertised_host
 from ftdist.process_group import registry
 from ftdist.process_group._store import host_store, parse_store_addr
 from ftdist.process_group.reconfigure import (
@@ -148,6 +148,7 @@ class ProcessGroup(BaseProcessGroup):
         # torchft's reconfiguration API (see .reconfigure)
         self._reconfigure_id = uuid.uuid4().hex
         self._rendezvous_store: dist.TCPStore | None = None
+        self._rendezvous_host = ""
         self._replica_id: str | None = None
         self._group_rank: int | None = None
         self._group_world_size: int | None = None
@@ -247,13 +248,12 @@ class ProcessGroup(BaseProcessGroup):
         """
         with self._config_lock:
             if self._rendezvous_store is None:
-                # The handle advertises this host's name; the store listens
-                # where that name's peers reach it (FTDIST_STORE_BIND first).
-                self._rendezvous_store = host_store(
-                    socket.gethostname(), DEFAULT_RECONFIGURE_TIMEOUT
-                )
-            port = self._rendezvous_store.port
-        return make_handle(self._handle_id(), port, self._global_rank)
+                # The handle advertises this host (FTDIST_ADVERTISE_*); the store
+                # listens where its peers reach it (FTDIST_STORE_BIND first).
+                self._rendezvous_host = host = advertised_host()
+                self._rendezvous_store = host_store(host, DEFAULT_RECONFIGURE_TIMEOUT)
+            host, port = self._rendezvous_host, self._rendezvous_store.port
+        return make_handle(self._handle_id(), host, port, self._global_rank)
 
     def reconfigure(self, opts: Any) -> dist.Work:
         """Rebuild the group from ordered handles; see :mod:`.reconfigure`. Blocks.

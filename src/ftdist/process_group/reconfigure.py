@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -73,12 +72,13 @@ class Rendezvous:
     global_ranks: list[int] | None
 
 
-def make_handle(handle_id: str, store_port: int, global_rank: int | None) -> str:
-    """The JSON handle of a group whose rendezvous store listens on ``store_port``."""
+def make_handle(handle_id: str, host: str, store_port: int, global_rank: int | None) -> str:
+    """The JSON handle of a group whose rendezvous store listens at ``host:store_port``."""
+    shown = f"[{host}]" if ":" in host else host
     return json.dumps(
         {
             "id": handle_id,
-            "store": f"{socket.gethostname()}:{store_port}",
+            "store": f"{shown}:{store_port}",
             "global_rank": global_rank,
         }
     )

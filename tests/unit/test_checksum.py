@@ -1,0 +1,105 @@
+"""The word-sum checksum: its definition, split invariance, and what it detects."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ftdist.checkpointing._checksum import MASK, WordSum
+
+pytestmark = pytest.mark.timeout(120)
+
+SETTINGS = settings(max_examples=150, deadline=None)
+segments = st.lists(st.binary(max_size=1200), min_size=1, max_size=5)
+
+
+def _by_definition(segs: list[bytes]) -> tuple[int, int]:
+    data = b"".join(s + b"\0" * (-len(s) % 8) for s in segs)
+    s1 = s2 = 0
+    for k in range(len(data) // 8):
+        w = int.from_bytes(data[8 * k : 8 * k + 8], "little")
+        s1 += w
+        s2 += (k + 1) * w
+    return s1 & MASK, s2 & MASK
+
+
+def _digest(segs: list[bytes], cuts: list[int] | None = None) -> tuple[int, int]:
+    d = WordSum()
+    for seg in segs:
+        start = 0
+        for cut in sorted(c % (len(seg) + 1) for c in cuts or []):
+            d.update(seg[start : max(start, cut)])
+            start = max(start, cut)
+        d.update(seg[start:])
+        d.end_segment()
+    return d.digest()
+
+
+@SETTINGS
+@given(segs=segments, cuts=st.lists(st.integers(0, 1300), max_size=6))
+def test_the_digest_is_its_definition_however_the_segments_are_split(
+    segs: list[bytes], cuts: list[int]
+) -> None:
+    assert _digest(segs, cuts) == _digest(segs) == _by_definition(segs)
+
+
+@SETTINGS
+@given(seg=st.binary(min_size=1, max_size=3000), at=st.integers(0), flip=st.integers(1, 255))
+def test_any_change_within_one_word_is_detected(seg: bytes, at: int, flip: int) -> None:
+    i = at % len(seg)
+    bad = bytearray(seg)
+    bad[i] ^= flip
+    assert _digest([bytes(bad)]) != _digest([seg])
+
+
+@SETTINGS
+@given(
+    seg=st.binary(min_size=16, max_size=3000).filter(lambda b: len(b) % 8 == 0),
+    i=st.integers(0),
+    j=st.integers(0),
+)
+def test_two_words_swapped_are_detected(seg: bytes, i: int, j: int) -> None:
+    n = len(seg) // 8
+    a, b = i % n, j % n
+    wa, wb = seg[8 * a : 8 * a + 8], seg[8 * b : 8 * b + 8]
+    if a == b or wa == wb:
+        return
+    words = [seg[8 * k : 8 * k + 8] for k in range(n)]
+    words[a], words[b] = wb, wa
+    # (b - a) * (wa - wb) vanishes mod 2**64 only when the product has 64
+    # factors of two; words that differ in their low bits never do.
+    delta = ((b - a) * (int.from_bytes(wa, "little") - int.from_bytes(wb, "little"))) & MASK
+    assert (_digest([b"".join(words)]) != _digest([seg])) == (delta != 0)
+
+
+def test_segment_boundaries_count() -> None:
+    # The same bytes split into segments differently are different data.
+    assert _digest([b"abc", b"def"]) != _digest([b"abcdef"])
+    assert _digest([b"", b"abc"]) == _digest([b"abc"])
+
+
+def test_large_buffers_match_the_definition_across_blocks() -> None:
+    data = bytes(range(256)) * 5000 + b"xyz"  # several blocks, a ragged end
+    d = WordSum()
+    d.update(memoryview(data))
+    expected = _by_definition([data])
+    assert d.digest() == expected
+    assert WordSum().fold64() == 0
+
+
+def test_summing_behind_gives_the_same_digest_and_stops_its_thread() -> None:
+    import threading
+
+    from ftdist.checkpointing._checksum import SumBehind
+
+    segs = [bytes(range(256)) * 300, b"abc", b"", bytes(5000)]
+    with SumBehind() as behind:
+        for seg in segs:
+            behind.update(memoryview(seg)[:100])
+            behind.update(memoryview(seg)[100:])
+            behind.end_segment()
+        assert behind.digest() == _digest(segs)
+    assert not [t for t in threading.enumerate() if t.name == "ftdist-checksum"]
+    with SumBehind() as unused:  # no piece, no thread
+        assert unused._thread is None
