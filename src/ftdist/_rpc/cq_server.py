@@ -46,6 +46,7 @@ _NO_FLAGS = 0
 # Longest sleep between checks for work sent from other threads; it bounds the
 # latency of call_soon() and shutdown, and costs one wake-up each time.
 _MAX_POLL_S = 0.02
+_POSTED_REQUESTS = 256
 
 
 def _status(code: grpc.StatusCode) -> int:
@@ -292,7 +293,12 @@ class CompletionQueueServer:
             raise OSError(f"cannot bind gRPC server to {self._bind} (address in use?)")
         self.port = int(port)
         self._server.start()
-        self._server.request_call(self._cq, self._cq, self._on_request_call)
+        # Requests kept posted: with one, calls that arrive together queue in
+        # gRPC's core, which caps that queue (1000 calls) and drains it one
+        # match per loop; a thousand replica groups asking at once stalled
+        # the round for seconds.
+        for _ in range(_POSTED_REQUESTS):
+            self._server.request_call(self._cq, self._cq, self._on_request_call)
         self._thread.start()
         return self.port
 
