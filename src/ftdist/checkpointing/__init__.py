@@ -11,7 +11,7 @@ touching storage:
 
 Both stream tensors straight from and into memory (no serialised copy of the
 whole state), describe the state in a plain-data header (no pickle: a peer's
-bytes never run code here), end each stream with a CRC-32 so corruption or
+bytes never run code here), end each stream with word sums of its bytes so corruption or
 truncation is an error, and refuse a checkpoint of the wrong step. The wire
 format and the security properties are in docs/checkpointing.md.
 """

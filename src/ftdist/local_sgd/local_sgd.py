@@ -15,7 +15,7 @@ replica keeps its local weights and averages them at the next sync.
 What must be identical across replicas is the weights right after a
 committed sync, and only then: between syncs they differ by design, so
 neither the weights nor the optimizer state are consistency parts. LocalSGD
-registers instead, under ``"LocalSGD"``, a digest (CRC-32 per parameter) of
+registers instead, under ``"LocalSGD"``, a digest (64-bit word sums per parameter) of
 the weights its last committed sync produced, both as a consistency part and
 as state that moves with a heal (so that a healed replica's digest is its
 source's). Replicas at the same step must hold the same digest.
@@ -203,7 +203,7 @@ def check_sync_every(sync_every: object) -> int:
 
 
 def digest(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, int]:
-    """CRC-32 of each parameter's values: what LocalSGD compares across replicas."""
+    """A 64-bit digest of each parameter's values: what LocalSGD compares across replicas."""
     return fingerprint({name: local_view(p) for name, p in named})
 
 
