@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from datetime import timedelta
 from typing import Any
 
@@ -13,19 +12,11 @@ import torch
 
 from ftdist import _advertise
 from ftdist.launch.ranks import RankContext, run_ranks
+from tests.integration.test_checkpoint_transports import _barrier
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 TIMEOUT = timedelta(seconds=20)
-
-
-def _barrier(store: Any, name: str, n: int) -> None:
-    store.add(name, 1)
-    deadline = time.monotonic() + 30
-    while int(store.add(name, 0)) < n:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"barrier {name!r} timed out")
-        time.sleep(0.002)
 
 
 class _Lines(logging.Handler):

@@ -4,6 +4,7 @@ from a live lighthouse and the test reads what a person would see."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -193,3 +194,71 @@ def test_dashboard_shows_the_lighthouse_replicas(
         assert page.by_id("repl-role").text.startswith("leader for ")
         assert "hidden" in page.by_id("follower-notice").attrs
         assert page.by_id("repl-serving").text.startswith("Serving: ")
+
+
+def test_dashboard_history_shows_a_runs_failure_rejoin_and_heal(
+    chromium: Chromium, lh: Lighthouses, tmp_path: Path
+) -> None:
+    # A real run: two replica groups train, one is SIGKILLed and restarted,
+    # and heals live. The page is loaded while the survivors still train.
+    import threading
+
+    from tests.integration.test_manager import assert_consistent
+    from tests.integration.test_recovery import SLOW, _run
+
+    server = lh.server(join_timeout_ms=30_000, heartbeat_timeout_ms=5_000, http_port=0)
+    address, status_url = str(server.address()), f"{server.dashboard_address()}/status.json"
+    steps, die_at = 150, 5
+    actions = {0: {**SLOW, "hold_until_rejoin_at": die_at + 2}, 1: {"die_at_step": die_at, **SLOW}}
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["results"] = _run(
+                address, 2, 1, steps, actions, [dict.fromkeys(range(2), SLOW)]
+            )
+        except BaseException as exc:  # reported by the test thread
+            outcome["error"] = exc
+
+    trainer = threading.Thread(target=run, name="history-run")
+    trainer.start()
+    try:
+
+        def healed() -> bool:
+            events = get_json(status_url)["history"]["events"]
+            return any(e["kind"] == "heal" and e["step"] >= die_at for e in events)
+
+        wait_until(lambda: healed() or not trainer.is_alive(), timeout=90, what="the heal")
+        url = f"{server.dashboard_address()}/"
+        page = parse_dom(chromium.dump_dom(url))
+        shot = tmp_path / "dashboard-history.png"
+        chromium.screenshot(url, shot, size=(1280, 1600))
+    finally:
+        trainer.join(150)
+    assert "error" not in outcome, outcome.get("error")
+    assert_consistent(outcome["results"], steps)
+
+    # One failure injected, one failure mark; the replacement's rejoin.
+    marks = page.by_class("failure-mark")
+    assert len(marks) == 1, [m.attrs for m in marks]
+    assert marks[0].attrs["data-cause"] in ("connection closed", "heartbeat timeout")
+    assert page.by_class("rejoin-mark"), "the replacement's rejoin is not marked"
+    assert int(page.by_id("participants-line").attrs["data-points"]) >= 3
+    # Each heal bar is split into its phases, which sum to its total.
+    heals = page.by_class("heal")
+    assert any(int(h.attrs["data-step"]) >= die_at for h in heals), [h.attrs for h in heals]
+    for heal in heals:
+        phases = heal.by_class("phase")
+        assert [p.attrs["data-phase"] for p in phases] == [
+            "quorum_s",
+            "reconfigure_s",
+            "transfer_s",
+            "load_s",
+        ]
+        total = sum(float(p.attrs["data-seconds"]) for p in phases)
+        assert abs(total - float(heal.attrs["data-total"])) < 1e-3, heal.attrs
+    assert page.by_class("rate-bar"), "no committed-steps bars"
+    assert len(page.by_class("event")) >= 3
+    data = shot.read_bytes()
+    assert png_size(data) == (1280, 1600)
+    assert len(data) > 60_000, len(data)

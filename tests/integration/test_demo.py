@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,8 +22,9 @@ from typing import Any
 import pytest
 
 from tests import _diagnostics
+from tests._browser import Chromium, find_chromium
 from tests._procs import processes_with
-from tests.integration.lighthouse_helpers import Lighthouses
+from tests.integration.lighthouse_helpers import Lighthouses, get_json
 
 # One worker runs these in turn (make pytest: pytest-xdist, loadgroup):
 # the chaos suite and the demos each load the whole machine, and a demo
@@ -109,10 +111,34 @@ def demo(tmp_path: Path) -> Iterator[Any]:
         d.kill_all()
 
 
+def _screenshot_after_a_heal(run: DemoProcess) -> Path:
+    """Once the demo's dashboard shows a heal, save a screenshot next to its report."""
+    deadline = time.monotonic() + 120
+    url = None
+    while url is None:
+        assert run.proc.poll() is None and time.monotonic() < deadline, run.log.read_text()
+        found = re.search(r"dashboard:  (http://\S+)/", run.log.read_text(errors="replace"))
+        url = found.group(1) if found else None
+        time.sleep(0.2)
+    while True:
+        assert run.proc.poll() is None and time.monotonic() < deadline, "no heal during the run"
+        try:
+            events = get_json(f"{url}/status.json")["history"]["events"]
+        except OSError:
+            events = []
+        if any(e["kind"] == "heal" and e["step"] > 1 for e in events):
+            break
+        time.sleep(0.3)
+    shot = run.out / "dashboard-history.png"
+    Chromium(str(find_chromium())).screenshot(f"{url}/", shot, size=(1280, 1600))
+    return shot
+
+
 @pytest.mark.timeout(240)
 def test_ci_demo_run_with_failures(demo: Any) -> None:
     """What CI runs: `ftdist demo --duration 20 --kill-every 5`."""
     run = demo("--duration", "20", "--kill-every", "5")
+    shot = _screenshot_after_a_heal(run) if find_chromium() else None
     code, stdout = run.finish(timeout=200)
     assert code == 0, stdout
     assert "VERDICT: PASS" in stdout
@@ -150,6 +176,18 @@ def test_ci_demo_run_with_failures(demo: Any) -> None:
     assert simulated["shrunk_steps"] > 0 and simulated["lost"] > 0, simulated
     assert "data ledger (ExactSampler" in stdout
     assert "a simulation from this run's recorded quorums" in stdout
+
+    # The lighthouse's history: every SIGKILL a failure, every recovery a heal
+    # its manager reported; a dashboard screenshot taken during the run is
+    # linked from the report.
+    history = report["lighthouse_history"]
+    failed = [e for e in history["events"] if e["kind"] == "failure" and e["cause"] != "left"]
+    assert len(failed) >= kinds.count("kill"), history["events"]
+    assert len([e for e in history["events"] if e["kind"] == "heal"]) >= len(recoveries)
+    if shot is not None:
+        assert report["dashboard_screenshots"] == [str(shot)]
+        assert f"dashboard screenshot: {shot}" in stdout
+        assert shot.read_bytes().startswith(PNG_MAGIC)
 
     png = (run.out / "report.png").read_bytes()
     assert png.startswith(PNG_MAGIC) and len(png) > 20_000

@@ -132,7 +132,7 @@ def test_metrics_are_prometheus_text(lh: Lighthouses) -> None:
     assert "ftdist_lighthouse_quorum_latency_seconds_count 2" in lines
     for line in lines:
         assert line.startswith("#") or re.fullmatch(
-            r"[a-z_]+(\{le=\"[^\"]+\"\})? [0-9.e+-]+", line
+            r"[a-z_]+(\{(le|cause)=\"[^\"]+\"\})? [0-9.e+-]+", line
         ), line
 
 

@@ -23,6 +23,9 @@ LONG_MODULES: dict[str, str] = {
     "coordinator/group.py": "GroupCoordinator alone: vLLM's flat API, one method per "
     "collective with its checks and docstring; the transports behind them are collaborators "
     "(communicator.py, tensor_dict.py, message_queue.py, groups.py, failures.py)",
+    "lighthouse/server.py": "LighthouseServer alone: torchft's service and ftdist's extension "
+    "on one completion-queue thread, each handler's checks beside it; the engine, status, "
+    "history, dashboard, replication and forwarding are their own modules",
     "lighthouse/client.py": "LighthouseClient alone: torchft's API over one lighthouse's "
     "reconnects and a replicated one's leader search; the connection, the event stream and "
     "what tells it where the leader is are their own modules (connection.py, event_stream.py, "

@@ -101,6 +101,19 @@ FTDIST = {
     "StatusResponse": {"status_json": 1},
     "LeaveRequest": {"replica_id": 1},
     "LeaveResponse": {},
+    "HealReport": {
+        "replica_id": 1,
+        "phase": 2,
+        "step": 3,
+        "quorum_id": 4,
+        "quorum_s": 5,
+        "reconfigure_s": 6,
+        "transfer_s": 7,
+        "load_s": 8,
+        "transfer_bytes": 9,
+        "error": 10,
+    },
+    "HealReportResponse": {},
 }
 
 
@@ -120,5 +133,6 @@ def test_ftdist_service() -> None:
         "Subscribe": ("SubscribeRequest", "LighthouseEvent", True),
         "Status": ("StatusRequest", "StatusResponse", False),
         "Leave": ("LeaveRequest", "LeaveResponse", False),
+        "ReportHeal": ("HealReport", "HealReportResponse", False),
     }
     assert list(ftdist_pb2.DESCRIPTOR.services_by_name) == ["LighthouseEvents"]

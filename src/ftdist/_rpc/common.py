@@ -17,6 +17,7 @@ from ftdist.errors import CoordinationError, CoordinationTimeoutError
 
 __all__ = [
     "EVENTS_LEAVE",
+    "EVENTS_REPORT_HEAL",
     "EVENTS_STATUS",
     "EVENTS_SUBSCRIBE",
     "FOLLOW_LEADER_METADATA",
@@ -46,6 +47,7 @@ EVENTS_SERVICE = "ftdist.LighthouseEvents"
 EVENTS_SUBSCRIBE = f"/{EVENTS_SERVICE}/Subscribe"
 EVENTS_STATUS = f"/{EVENTS_SERVICE}/Status"
 EVENTS_LEAVE = f"/{EVENTS_SERVICE}/Leave"
+EVENTS_REPORT_HEAL = f"/{EVENTS_SERVICE}/ReportHeal"
 
 # The replicated lighthouse (ftdist.lighthouse.replica). A client that sends
 # FOLLOW_LEADER_METADATA ("1") with a call to a replica that is not the

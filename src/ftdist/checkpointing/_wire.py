@@ -212,7 +212,7 @@ def parse_prefix(raw: bytes, what: str) -> tuple[int, int, int]:
         CheckpointError: not a version-3 stream, or a header longer than
             :data:`MAX_HEADER_BYTES`.
     """
-    magic, header_len, body_len, header_crc, _ = _PREFIX.unpack(raw)
+    magic, header_len, body_len, header_crc, reserved = _PREFIX.unpack(raw)
     if magic != MAGIC:
         if magic in _OLD_MAGICS:
             raise CheckpointError(
@@ -220,6 +220,10 @@ def parse_prefix(raw: bytes, what: str) -> tuple[int, int, int]:
                 "in every replica"
             )
         raise CheckpointError(f"{what} did not send an ftdist checkpoint stream")
+    if reserved != 0:
+        # The trailer's sums cover the tensor bytes only: every prefix field
+        # is checked here, this one included.
+        raise CheckpointError(f"{what} sent a checkpoint prefix with reserved bits set")
     if not 0 < header_len <= MAX_HEADER_BYTES:
         raise CheckpointError(
             f"{what} announced a checkpoint header of {header_len} bytes "
@@ -432,24 +436,10 @@ def _read_leaves(
     check_step(header, step, reader.what)
     own = targets(header) if targets is not None else {}
     cpu = torch.device("cpu")
-    carried = header.carried
-    staged: dict[int, torch.Tensor] = {}
     got: dict[int, torch.Tensor] = {}
     with Prefaulter() as prefault:
-        ahead = 0  # the next leaf to allocate
-        for pos, index in enumerate(carried):
-            # The leaf read now, and those the prefault window reaches, are
-            # allocated (on the host; moved to their device once full).
-            while ahead <= pos or (ahead < len(carried) and prefault.wants_more()):
-                leaf_index = carried[ahead]
-                t = own.get(leaf_index)
-                fresh = t is None
-                if t is None:
-                    t = allocate(header.leaves[leaf_index], cpu)
-                staged[leaf_index] = t
-                prefault.add(t, fresh)
-                ahead += 1
-            t = staged.pop(index)
+        # Fresh leaves land on the host, then move to their device.
+        for _, index, t in staged_leaves(header, own, cpu, prefault):
             reader.read_into(flat_bytes(t), prefault.advance)
             meta = header.leaves[index]
             place = (
@@ -458,6 +448,37 @@ def _read_leaves(
             got[index] = t if place.type == "cpu" else t.to(place)
     reader.read_trailer()
     return header, got
+
+
+def staged_leaves(
+    header: Header,
+    own: Mapping[int, torch.Tensor],
+    device: torch.device,
+    prefault: Prefaulter,
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """A stream's leaves in order: (position, leaf index, tensor that receives it).
+
+    The tensor is the receiver's own (``own``, by leaf index) or a fresh one
+    on ``device``, allocated when its turn comes or when the prefault window
+    reaches it, so that its pages are populated ahead of the bytes; a peer
+    that announces a large state makes the receiver hold no more than the
+    window beyond what it sent.
+    """
+    carried = header.carried
+    staged: dict[int, torch.Tensor] = {}
+    ahead = 0  # the next leaf to allocate
+    for pos, index in enumerate(carried):
+        while ahead <= pos or (ahead < len(carried) and prefault.wants_more()):
+            leaf_index = carried[ahead]
+            t = own.get(leaf_index)
+            if t is None:
+                t = allocate(header.leaves[leaf_index], device)
+                prefault.add(t, fresh=True)
+            else:
+                prefault.add(t, fresh=False)
+            staged[leaf_index] = t
+            ahead += 1
+        yield pos, index, staged.pop(index)
 
 
 def same_state(a: Header, b: Header, what: str) -> None:

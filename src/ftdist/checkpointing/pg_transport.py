@@ -170,7 +170,6 @@ class PGTransport(CheckpointTransport[T]):
         header = _wire.parse_header(raw, header_crc, body_len, what)
         _wire.check_step(header, step, what)
         targets = in_place_targets(self._state_dict, header, self._device)
-        carried = header.carried
         tensors: dict[int, torch.Tensor] = {}
         digest, total = WordSum(), len(prefix) + len(raw)
         # Receives stay posted ahead: the sums of one tensor are taken while
@@ -187,18 +186,9 @@ class PGTransport(CheckpointTransport[T]):
                 total += flat.numel()
                 prefault.advance(flat.numel())
 
-            ahead = 0  # the next leaf to allocate (fresh ones within the prefault window)
-            for pos, index in enumerate(carried):
-                while ahead <= pos or (ahead < len(carried) and prefault.wants_more()):
-                    leaf_index = carried[ahead]
-                    t = targets.get(leaf_index)
-                    fresh = t is None
-                    if t is None:
-                        t = _wire.allocate(header.leaves[leaf_index], self._device)
-                    tensors[leaf_index] = t
-                    prefault.add(t, fresh)
-                    ahead += 1
-                flat = _wire.flat_bytes(tensors[index])
+            for pos, index, t in _wire.staged_leaves(header, targets, self._device, prefault):
+                tensors[index] = t
+                flat = _wire.flat_bytes(t)
                 if not flat.numel():
                     continue
                 pending.append((flat, self._pg.recv([flat], src_rank, _TAG_TENSOR + pos)))

@@ -18,22 +18,13 @@ import datetime as dt
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ftdist.cli._terminal import clean as _clean
+from ftdist.cli.history_text import render_history
+
 __all__ = ["render"]
 
 _PROG = "ftdist status"
 _FAILOVERS_SHOWN = 5
-
-
-def _clean(value: object) -> str:
-    """``value`` as text safe for a terminal.
-
-    Replica ids and addresses come from any client of the lighthouse; control
-    characters in them must not move the cursor or recolour the screen.
-    """
-    text = "" if value is None else str(value)
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 def _duration(seconds: object) -> str:
@@ -236,6 +227,10 @@ def render(document: Mapping[str, Any], address: str) -> str:
     if replication is not None:
         lines.append("")
         lines.extend(_replicas_section(replication))
+    history = document.get("history")
+    if isinstance(history, Mapping):
+        lines.append("")
+        lines.extend(render_history(history))
     return "\n".join(lines) + "\n"
 
 

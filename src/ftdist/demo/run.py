@@ -443,7 +443,7 @@ def run_demo(opts: DemoConfig, stream: TextIO | None = None) -> int:
             ).run()
             count_ledger(baseline, base_cfg)
             view.close()
-        meta = {
+        meta: dict[str, Any] = {
             "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "options": asdict(opts),
             "worker": asdict(cfg),
@@ -455,6 +455,16 @@ def run_demo(opts: DemoConfig, stream: TextIO | None = None) -> int:
             "plan": [asdict(i) for i in plan],
             "interrupted": bool(interrupt.count),
         }
+        # What the lighthouse saw (its dashboard's history), and any
+        # screenshots of that dashboard saved next to the report while the
+        # demo ran (the browser tests save theirs there).
+        if server is not None:
+            meta["lighthouse_history"] = server._status().get("history")
+        meta["dashboard_screenshots"] = sorted(
+            os.path.abspath(os.path.join(opts.out, name))
+            for name in os.listdir(opts.out)
+            if name.startswith("dashboard") and name.endswith(".png")
+        )
         report = build_report(main, baseline, meta)
         json_path = os.path.join(opts.out, "report.json")
         with open(json_path, "w", encoding="utf-8") as f:
@@ -471,6 +481,8 @@ def run_demo(opts: DemoConfig, stream: TextIO | None = None) -> int:
             if why_no_png is None
             else f"plot:   not written ({why_no_png})"
         )
+        for shot in meta["dashboard_screenshots"]:
+            view.message(f"dashboard screenshot: {shot}")
         if interrupt.count:
             return 130
         return 0 if report["verdict"]["ok"] else 1

@@ -99,6 +99,7 @@ logger = logging.getLogger(__name__)
 
 _DEFAULT_HEARTBEAT_TIMEOUT = timedelta(seconds=5)
 _DEFAULT_STATUS_TIMEOUT = timedelta(seconds=5)
+_HEAL_REPORT_FIELDS = frozenset(ftdist_pb2.HealReport.DESCRIPTOR.fields_by_name) - {"replica_id"}
 # How often a connect wait looks whether its connection was renewed.
 _RENEW_POLL_S = 0.25
 
@@ -391,15 +392,51 @@ class LighthouseClient:
         """
         if not replica_id:
             raise ValueError("replica_id must not be empty.")
-        timeout_s = to_seconds(timeout, "timeout")
+        request = ftdist_pb2.LeaveRequest(replica_id=replica_id)
+        return self._call_if_served("leave", request, to_seconds(timeout, "timeout"), "Leave")
+
+    def _call_if_served(self, name: str, request: Any, timeout_s: float, method: str) -> bool:
+        """:meth:`_call`; False when the lighthouse does not serve ``method`` (torchft's)."""
         try:
-            self._call("leave", ftdist_pb2.LeaveRequest(replica_id=replica_id), timeout_s, "Leave")
+            self._call(name, request, timeout_s, method)
         except CoordinationError as exc:
             cause = exc.__cause__
             if isinstance(cause, grpc.Call) and cause.code() is grpc.StatusCode.UNIMPLEMENTED:
                 return False
             raise
         return True
+
+    def report_heal(
+        self,
+        replica_id: str,
+        report: Mapping[str, Any],
+        timeout: timedelta | float = _DEFAULT_STATUS_TIMEOUT,
+    ) -> bool:
+        """Report a heal's progress or end to the lighthouse's history.
+
+        Args:
+            replica_id: the healing replica group's full id.
+            report: the :class:`~ftdist._rpc._proto.ftdist_pb2.HealReport`
+                fields (``phase``, ``step``, ``quorum_s``, ...); others are
+                ignored.
+            timeout: how long to wait (a timedelta or seconds).
+
+        Returns:
+            True if the lighthouse took note, False if it does not serve
+            ``ReportHeal`` (torchft's).
+
+        Raises:
+            ValueError: if ``replica_id`` is empty.
+            CoordinationTimeoutError: if the call ran past ``timeout``.
+            CoordinationError: if the lighthouse is unreachable or refused.
+        """
+        if not replica_id:
+            raise ValueError("replica_id must not be empty.")
+        fields = {k: v for k, v in report.items() if k in _HEAL_REPORT_FIELDS}
+        request = ftdist_pb2.HealReport(replica_id=replica_id, **fields)
+        return self._call_if_served(
+            "report_heal", request, to_seconds(timeout, "timeout"), "ReportHeal"
+        )
 
     def status(self, timeout: timedelta | float = _DEFAULT_STATUS_TIMEOUT) -> dict[str, Any]:
         """Fetch the lighthouse's status document (ftdist lighthouses only).

@@ -67,3 +67,8 @@ class Connection:
             request_serializer=ftdist_pb2.LeaveRequest.SerializeToString,
             response_deserializer=ftdist_pb2.LeaveResponse.FromString,
         )
+        self.report_heal = self.channel.unary_unary(
+            _rpc.EVENTS_REPORT_HEAL,
+            request_serializer=ftdist_pb2.HealReport.SerializeToString,
+            response_deserializer=ftdist_pb2.HealReportResponse.FromString,
+        )

@@ -15,6 +15,10 @@ A small HTTP server next to the lighthouse, for people and for monitoring:
     why this replica serves or not, and the failover history. A follower
     holds no quorum: a notice at the top says so and links to the leader's
     dashboard.
+    Below them, the job's history (:mod:`ftdist.lighthouse.history`), drawn
+    by the page's own script as SVG: participating groups over time with
+    failure, leave, rejoin and failover marks; committed steps per second;
+    one bar per heal split into its phases; heals in flight; the events.
 ``GET /status.json``
     The same data as JSON (:func:`~ftdist.lighthouse.status.build_status`).
 ``GET /metrics``
@@ -62,7 +66,15 @@ with one ``tr.replica[data-name]`` per replica (classes ``role-<role>``,
 endpoint (class ``down`` when its probe failed; cells ``td.health``,
 ``td.version``, ``td.raft``, ``td.latency``) and ``#failovers`` with one
 ``tr.failover`` per record, newest first (``td.time``, ``td.leader``,
-``td.previous``).
+``td.previous``). History: ``#participants-chart`` (``path#participants-line``
+with ``data-points``; ``circle.failure-mark`` and ``circle.leave-mark`` with
+``data-replica-id`` and ``data-cause``, ``circle.rejoin-mark``,
+``line.failover-mark``), ``#steps-chart`` (``rect.rate-bar[data-rate]``),
+``#heals`` (``div.heal`` with ``data-replica-id``, ``data-step``,
+``data-total``, class ``failed`` when it failed, and one ``rect.phase`` per
+phase with ``data-phase`` and ``data-seconds``), ``#heals-in-flight``
+(``div.heal-progress[data-replica-id][data-phase]``) and ``#history-events``
+(one ``li.event.event-<kind>`` each).
 """
 
 from __future__ import annotations

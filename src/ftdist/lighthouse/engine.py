@@ -27,7 +27,6 @@ are the same; only evaluations that cannot succeed are skipped.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 import time
@@ -36,6 +35,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ftdist._rpc._proto import ftdist_pb2, torchft_pb2
+from ftdist.lighthouse.history import Histogram, JobHistory
 from ftdist.lighthouse.quorum import (
     LighthouseState,
     Participant,
@@ -118,19 +118,6 @@ class _Waiter:
         self.entry: Participant[Member] | None = None
 
 
-class _Histogram:
-    """Counts per bucket, Prometheus style (cumulated when rendered)."""
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.total = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.total += value
-
-
 class LighthouseEngine:
     """Quorum state machine of one lighthouse. Use it from one thread.
 
@@ -140,6 +127,8 @@ class LighthouseEngine:
         wall_clock: wall time source in seconds since the epoch.
         max_replica_ids: most replica ids whose heartbeat is remembered
             (see :meth:`admit`).
+        history: where quorum changes, failures and steps are recorded
+            (a fresh :class:`~ftdist.lighthouse.history.JobHistory` if None).
     """
 
     def __init__(
@@ -149,6 +138,7 @@ class LighthouseEngine:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         max_replica_ids: int = 65536,
+        history: JobHistory | None = None,
     ) -> None:
         self.settings = settings
         self.max_replica_ids = max_replica_ids
@@ -177,7 +167,8 @@ class LighthouseEngine:
         self.started_at = clock()
         self.num_quorums = 0
         self.num_member_failures = 0
-        self.latency = _Histogram(LATENCY_BUCKETS_S)
+        self.latency = Histogram(LATENCY_BUCKETS_S)
+        self.history = history if history is not None else JobHistory()
         # A replicated lighthouse's: records a new quorum durably before any
         # reply carries it; returns why not (then it is not issued), or None.
         self.persist: Callable[[int, tuple[str, ...]], str | None] | None = None
@@ -250,6 +241,7 @@ class LighthouseEngine:
         self.state.heartbeats.pop(replica_id, None)
         self._streams.forget(replica_id)
         logger.info("Replica %s left", replica_id)
+        self.history.member_failed(self._wall_clock(), replica_id, "it left the job")
         self._publish(ftdist_pb2.MEMBER_LEFT, replica_id=replica_id, reason="it left the job")
         if self.state.participants:
             self._evaluate(self._clock())
@@ -276,6 +268,7 @@ class LighthouseEngine:
             return waiter
         now = self._clock()
         self.state.heartbeats[member.replica_id] = now
+        self.history.step_seen(self._wall_clock(), member.step)
         self._park(waiter, now)
         self._on_arrival(now)
         return waiter
@@ -393,6 +386,9 @@ class LighthouseEngine:
         if id_changed:
             self._failed_reported.clear()
             self._publish(ftdist_pb2.QUORUM_FORMED, replica_ids=member_ids, reason=reason)
+            self.history.quorum_formed(
+                self._wall_clock(), formed.quorum.quorum_id, member_ids, reason
+            )
 
         waiters, self._waiters = self._waiters, {}
         for replica_id, parked in waiters.items():
@@ -419,7 +415,10 @@ class LighthouseEngine:
         forget_before = now - timeout * _FORGET_AFTER_TIMEOUTS
         for replica_id in [rid for rid, seen in heartbeats.items() if seen < forget_before]:
             del heartbeats[replica_id]
-        self._expired_at_tick = sum(1 for seen in heartbeats.values() if now - seen >= timeout)
+        expired = [rid for rid, seen in heartbeats.items() if now - seen >= timeout]
+        self._expired_at_tick = len(expired)
+        for rid in expired:
+            self.history.lost(self._wall_clock(), rid, f"no heartbeat for {timeout:g} s or more")
         self._check_lost_streams(now)
         self._report_dead_members(now)
         if not self.state.participants:
@@ -477,6 +476,8 @@ class LighthouseEngine:
 
     def _check_lost_streams(self, now: float) -> None:
         for replica_id, since in self._streams.expired(now):
+            why = f"its connection to the lighthouse closed {now - since:.1f} s ago"
+            self.history.lost(self._wall_clock(), replica_id, why)
             current = self.current
             if (
                 current is None
@@ -498,6 +499,7 @@ class LighthouseEngine:
     def _report_failed(self, current: FormedQuorum, replica_id: str, reason: str) -> None:
         self._failed_reported.add(replica_id)
         self.num_member_failures += 1
+        self.history.member_failed(self._wall_clock(), replica_id, reason)
         logger.warning(
             "Member %s of quorum %d failed: %s", replica_id, current.quorum.quorum_id, reason
         )

@@ -45,6 +45,7 @@ import functools
 import json
 import logging
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -62,6 +63,7 @@ from ftdist.lighthouse.config import LighthouseConfig, resolve_lighthouse_config
 from ftdist.lighthouse.dashboard import DashboardServer
 from ftdist.lighthouse.engine import FormedQuorum, LighthouseEngine
 from ftdist.lighthouse.forward import LeaderForwarder
+from ftdist.lighthouse.history import JobHistory, merge_failovers, record_heal_report
 from ftdist.lighthouse.limits import MAX_FIELD_BYTES, check_member, too_long
 from ftdist.lighthouse.quorum import QuorumConfig
 from ftdist.lighthouse.replica import LighthouseReplica, Takeover
@@ -189,6 +191,9 @@ class LighthouseServer:
             )
         self.config = config
         self._host, _ = _split_bind(config.bind)
+        # One history for the server's life: a replica's takeovers replace
+        # the engine, not what the dashboard shows.
+        self._history = JobHistory()
         self._engine = self._new_engine()
         # Replicated (config.replication): only the leader answers; _leading
         # is set on this server's thread once the engine holds the takeover.
@@ -204,6 +209,7 @@ class LighthouseServer:
                 _rpc.EVENTS_SUBSCRIBE: self._handle_subscribe,
                 _rpc.EVENTS_STATUS: self._handle_status,
                 _rpc.EVENTS_LEAVE: self._handle_leave,
+                _rpc.EVENTS_REPORT_HEAL: self._handle_report_heal,
             },
             _rpc.server_options(),
             tick=self._tick,
@@ -330,7 +336,9 @@ class LighthouseServer:
     def _status_document(self) -> dict[str, Any]:
         document = build_status(self._engine, self.config)
         if self._replica is not None:
-            document["replication"] = self._replica.status()
+            replication = self._replica.status()
+            document["replication"] = replication
+            merge_failovers(document["history"], replication["failovers"])
         return document
 
     def _kill(self, replica_id: str) -> str:
@@ -523,6 +531,18 @@ class LighthouseServer:
         self._engine.leave(replica_id)
         rpc.reply(ftdist_pb2.LeaveResponse().SerializeToString())
 
+    def _handle_report_heal(self, rpc: RpcCall, request: bytes) -> None:
+        if self._elsewhere(rpc, request, forward=False):
+            return
+        report = _decode(rpc, ftdist_pb2.HealReport, request)
+        if report is None:
+            return
+        problem = record_heal_report(self._history, time.time(), report)
+        if problem is not None:
+            rpc.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            return
+        rpc.reply(ftdist_pb2.HealReportResponse().SerializeToString())
+
     # -- replication (on the server thread) ---------------------------------
 
     def _new_engine(self) -> LighthouseEngine:
@@ -534,6 +554,7 @@ class LighthouseServer:
                 heartbeat_timeout_s=config.heartbeat_timeout.total_seconds(),
             ),
             max_replica_ids=config.max_replica_ids,
+            history=self._history,
         )
 
     def _take_over(self, takeover: Takeover) -> None:

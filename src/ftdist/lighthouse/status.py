@@ -12,7 +12,9 @@ fetches it over gRPC (``ftdist.LighthouseEvents/Status``).
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import math
+import time
 from typing import Any
 
 from ftdist.lighthouse.config import LighthouseConfig
@@ -113,7 +115,26 @@ def build_status(engine: LighthouseEngine, config: LighthouseConfig) -> dict[str
             "tls": config.tls_cert is not None,
         },
         "uptime_s": _round3(now - engine.started_at),
+        "history": engine.history.document(time.time()),
     }
+
+
+def _metric(lines: list[str], name: str, kind: str, help_text: str, value: float) -> None:
+    lines.append(f"# HELP {name} {help_text}")
+    lines.append(f"# TYPE {name} {kind}")
+    lines.append(f"{name} {value:g}")
+
+
+def _histogram(
+    lines: list[str], name: str, help_text: str, buckets: list[Any], total: float, count: int
+) -> None:
+    lines.append(f"# HELP {name} {help_text}")
+    lines.append(f"# TYPE {name} histogram")
+    for bound, in_bucket in buckets:
+        le = bound if isinstance(bound, str) else f"{bound:g}"
+        lines.append(f'{name}_bucket{{le="{le}"}} {in_bucket}')
+    lines.append(f"{name}_sum {total:.6f}")
+    lines.append(f"{name}_count {count}")
 
 
 def render_metrics(status: dict[str, Any]) -> str:
@@ -131,10 +152,7 @@ def render_metrics(status: dict[str, Any]) -> str:
     quorum = status["quorum"]
     lines: list[str] = []
 
-    def metric(name: str, kind: str, help_text: str, value: float) -> None:
-        lines.append(f"# HELP {name} {help_text}")
-        lines.append(f"# TYPE {name} {kind}")
-        lines.append(f"{name} {value:g}")
+    metric = functools.partial(_metric, lines)
 
     prefix = "ftdist_lighthouse"
     metric(
@@ -182,15 +200,18 @@ def render_metrics(status: dict[str, Any]) -> str:
         "Quorum members declared dead after missing heartbeats.",
         status["member_failures_total"],
     )
+    history = status.get("history")
+    if history is not None:
+        lines.extend(_history_metrics(prefix, history))
     hist = status["quorum_latency_seconds"]
-    name = f"{prefix}_quorum_latency_seconds"
-    lines.append(f"# HELP {name} Time from a round's first quorum request to its quorum.")
-    lines.append(f"# TYPE {name} histogram")
-    for bound, count in hist["buckets"]:
-        le = bound if isinstance(bound, str) else f"{bound:g}"
-        lines.append(f'{name}_bucket{{le="{le}"}} {count}')
-    lines.append(f"{name}_sum {hist['sum']:.6f}")
-    lines.append(f"{name}_count {hist['count']}")
+    _histogram(
+        lines,
+        f"{prefix}_quorum_latency_seconds",
+        "Time from a round's first quorum request to its quorum.",
+        hist["buckets"],
+        hist["sum"],
+        hist["count"],
+    )
     replication = status.get("replication")
     if replication is not None:
         # A replicated lighthouse: every replica serves these, so a
@@ -243,3 +264,49 @@ def render_metrics(status: dict[str, Any]) -> str:
             )
             lines.append(f'{name}{{endpoint="{endpoint}"}} {1 if member["ok"] else 0}')
     return "\n".join(lines) + "\n"
+
+
+def _history_metrics(prefix: str, history: dict[str, Any]) -> list[str]:
+    """The history's counters and heal histogram, in the exposition format."""
+    lines: list[str] = []
+
+    metric = functools.partial(_metric, lines)
+
+    metric(
+        f"{prefix}_quorum_changes_total",
+        "counter",
+        "Quorums formed with another id than the last one (membership changes, forced ones).",
+        history["quorum_changes_total"],
+    )
+    name = f"{prefix}_failures_total"
+    lines.append(f"# HELP {name} Members that left the job or were declared dead, by cause.")
+    lines.append(f"# TYPE {name} counter")
+    for cause, count in sorted(history["failures_by_cause"].items()):
+        lines.append(f'{name}{{cause="{cause}"}} {count}')
+    metric(
+        f"{prefix}_heals_total",
+        "counter",
+        "Heals that replica groups reported as finished.",
+        history["heals_total"],
+    )
+    _histogram(
+        lines,
+        f"{prefix}_heal_seconds",
+        "Reported heals' durations (quorum, reconfigure, transfer, load).",
+        history["heal_seconds_buckets"],
+        history["heal_seconds_total"],
+        history["heals_total"],
+    )
+    metric(
+        f"{prefix}_heal_bytes_total",
+        "counter",
+        "Bytes the reported heals transferred.",
+        history["heal_bytes_total"],
+    )
+    metric(
+        f"{prefix}_heals_in_flight",
+        "gauge",
+        "Replica groups healing now (as they last reported).",
+        len(history["in_flight"]),
+    )
+    return lines

@@ -20,11 +20,14 @@ differs instead of letting replicas drift apart silently.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -41,6 +44,8 @@ if TYPE_CHECKING:
     from ftdist.manager.client import ManagerClientLike
     from ftdist.manager.rule import QuorumResult
     from ftdist.manager.state import ConsistencyParts, UserState
+
+logger = logging.getLogger(__name__)
 
 # Where the Manager's own counters travel in a heal's state (torchft's
 # "torchft", renamed with the package).
@@ -86,6 +91,21 @@ class HealTimeline:
     def total_s(self) -> float:
         """Sum of the phases."""
         return self.quorum_s + self.reconfigure_s + self.transfer_s + self.load_s
+
+    def report(self, phase: str, error: str = "") -> dict[str, Any]:
+        """This timeline as a ``HealReport``'s fields, in ``phase`` (see
+        :meth:`ftdist.lighthouse.client.LighthouseClient.report_heal`)."""
+        return {
+            "phase": phase,
+            "step": self.step,
+            "quorum_id": self.quorum_id,
+            "quorum_s": self.quorum_s,
+            "reconfigure_s": self.reconfigure_s,
+            "transfer_s": self.transfer_s,
+            "load_s": self.load_s,
+            "transfer_bytes": self.transfer_bytes,
+            "error": error[:200],
+        }
 
     @property
     def transfer_gbps(self) -> float:
@@ -225,6 +245,9 @@ class Healer:
         connect: opens a client to a heal source's manager server, given its
             address; clients are kept open (closing a gRPC channel blocks for
             about 200 ms, which would land on every heal).
+        report: delivers a heal report to the lighthouse's history (group
+            rank 0's manager server); received heals are reported as they go,
+            from a thread of their own (:class:`HealReporter`).
     """
 
     def __init__(
@@ -232,10 +255,12 @@ class Healer:
         transport: CheckpointTransport[Any],
         timeout: timedelta,
         connect: Callable[[str], ManagerClientLike],
+        report: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.transport = transport
         self._timeout = timeout
         self._connect = connect
+        self.reporter = HealReporter(report) if report is not None else None
         # Most recently used last; every restarted peer has a new address.
         self._sources: OrderedDict[str, ManagerClientLike] = OrderedDict()
 
@@ -278,15 +303,28 @@ class Healer:
         timeline = HealTimeline(
             quorum.max_step, quorum.quorum_id, "receive", [src], quorum_s, reconfigure_s
         )
-        client = self._source(quorum.recover_src_manager_address)
-        metadata = client._checkpoint_metadata(group_rank, timeout=self._timeout)
+        self.tell(timeline, "transfer")
         start = time.perf_counter()
-        state = self.transport.recv_checkpoint(src, metadata, quorum.max_step, self._timeout)
+        try:
+            client = self._source(quorum.recover_src_manager_address)
+            metadata = client._checkpoint_metadata(group_rank, timeout=self._timeout)
+            start = time.perf_counter()
+            state = self.transport.recv_checkpoint(src, metadata, quorum.max_step, self._timeout)
+        except Exception as exc:
+            timeline.transfer_s = time.perf_counter() - start
+            self.tell(timeline, "failed", repr(exc))
+            raise
         timeline.transfer_s = time.perf_counter() - start
         timeline.transfer_bytes = _transfer_bytes(self.transport)
+        self.tell(timeline, "load")
         if not isinstance(state, dict):
             raise TypeError(f"the heal source sent a {type(state).__name__}, not a state dict")
         return state, timeline
+
+    def tell(self, timeline: HealTimeline | None, phase: str, error: str = "") -> None:
+        """Report a received heal's ``phase`` (or its end: ``done``, ``failed``); None: nothing."""
+        if self.reporter is not None and timeline is not None and timeline.role == "receive":
+            self.reporter(timeline.report(phase, error))
 
     def _source(self, address: str) -> ManagerClientLike:
         client = self._sources.pop(address, None)
@@ -300,10 +338,43 @@ class Healer:
         return client
 
     def close(self) -> None:
-        """Close the clients to heal sources."""
+        """Close the clients to heal sources and the reporter."""
+        if self.reporter is not None:
+            self.reporter.close()
         sources, self._sources = self._sources, OrderedDict()
         for client in sources.values():
             client.close()
+
+
+class HealReporter:
+    """Sends this group's heal reports to the lighthouse from a thread of its own.
+
+    Calling it returns at once; a lighthouse that is down or does not serve
+    the call (torchft's) costs a debug line. Reports made after
+    :meth:`close` are dropped.
+
+    Args:
+        send: delivers one report (blocking; the manager server's
+            :meth:`~ftdist.manager.server.ManagerServer.report_heal`).
+    """
+
+    def __init__(self, send: Callable[[dict[str, Any]], None]) -> None:
+        self._send = send
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftdist-heal-report")
+
+    def __call__(self, report: dict[str, Any]) -> None:
+        with contextlib.suppress(RuntimeError):  # closed meanwhile
+            self._pool.submit(self._deliver, report)
+
+    def _deliver(self, report: dict[str, Any]) -> None:
+        try:
+            self._send(report)
+        except Exception as exc:
+            logger.debug("heal report not delivered: %s", exc)
+
+    def close(self) -> None:
+        """Drop what is queued; wait for the report in flight (bounded by its timeout)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def load_received(

@@ -36,6 +36,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -217,7 +218,8 @@ class Manager(TorchftInternals, StateRegistration):
         self._replica_id = boot.replica_id
         self._news = boot.news
         self._own_store = boot.own_store
-        self._healer = Healer(transport, config.timeout, boot.connect)
+        report = getattr(boot.server, "report_heal", None)  # group rank 0: to the lighthouse
+        self._healer = Healer(transport, config.timeout, boot.connect, report)
         self._round = QuorumRound(
             client=self._client,
             group_rank=config.group_rank,
@@ -233,12 +235,8 @@ class Manager(TorchftInternals, StateRegistration):
             log_prefix=self._prefix,
             participation=self._participation,
         )
-        logger.info(
-            "%s manager ready (group rank %d of %d)",
-            self._prefix(),
-            self._group_rank,
-            config.group_world_size,
-        )
+        rank, size = self._group_rank, config.group_world_size
+        logger.info("%s manager ready (group rank %d of %d)", self._prefix(), rank, size)
 
     def state_dict(self) -> dict[str, int]:
         """The Manager's own state: ``step`` and ``batches_committed``. Checkpoint it with yours."""
@@ -336,10 +334,10 @@ class Manager(TorchftInternals, StateRegistration):
             self._await_round()  # takes the outcome, so that its heal is applied now
             self._settle_heal(self._timeout)
         elif self._step == 0 and self._batches_committed == 0:
-            # Never committed (a fresh replacement): heal before a forward on
-            # weights about to be replaced; a healer still adds zeros (async).
-            self._await_round()
-            self._settle_heal(self._timeout)
+            # Never committed: heal before a forward on weights about to go (adds zeros: async).
+            with contextlib.suppress(ValueError, TypeError):  # misuse: the next wait raises it
+                self._await_round()
+                self._settle_heal(self._timeout)
 
     def wait_quorum(self) -> None:
         """Block until the quorum started by :meth:`start_quorum` is done.
@@ -411,6 +409,7 @@ class Manager(TorchftInternals, StateRegistration):
         # Only the transfers count here: an unrelated error of the step
         # fails the step, not the heal, which still moves state and step.
         if group_vote and not self._vote(staged is not None or not healing, timeout):
+            self._healer.tell(staged.timeline if staged else None, "failed", "a rank lacks it")
             if self._errored is None:  # keep this rank's own cause, if any
                 self.report_error(
                     RecoveryError(
@@ -424,6 +423,7 @@ class Manager(TorchftInternals, StateRegistration):
         error = load_received(staged.state, self._user_state, self._consistency, staged.timeline)
         self.load_state_dict(manager_counters(staged.state))
         self._step = staged.step
+        self._healer.tell(staged.timeline, "done" if error is None else "failed", str(error or ""))
         if error is not None:
             self.report_error(error)
         self._fingerprint_due = True

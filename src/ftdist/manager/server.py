@@ -65,6 +65,8 @@ _MAX_FINGERPRINT_BYTES = 64 * 1024
 REPROBE_S = 1.0
 # Leaving must not hold up a process that is exiting.
 _LEAVE_TIMEOUT_S = 2.0
+# A heal report is news for the dashboard, never worth waiting for.
+_REPORT_TIMEOUT_S = 2.0
 
 
 @dataclass
@@ -198,6 +200,14 @@ class ManagerServer:
         """``http://hostname:port``."""
         host = f"[{self._hostname}]" if ":" in self._hostname else self._hostname
         return f"http://{host}:{self._port}"
+
+    def report_heal(self, report: dict[str, Any]) -> None:
+        """Pass a heal's progress or end to the lighthouse's history (blocks; see HealReporter).
+
+        Raises:
+            CoordinationError: the lighthouse is unreachable or refused.
+        """
+        self._lighthouse.report_heal(self._replica_id, report, timeout=_REPORT_TIMEOUT_S)
 
     def shutdown(self, leaving: bool = False) -> None:
         """Stop serving and heartbeating; calls still waiting get UNAVAILABLE.

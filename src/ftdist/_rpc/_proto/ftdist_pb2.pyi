@@ -66,3 +66,31 @@ class LeaveRequest(_message.Message):
 class LeaveResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class HealReport(_message.Message):
+    __slots__ = ("replica_id", "phase", "step", "quorum_id", "quorum_s", "reconfigure_s", "transfer_s", "load_s", "transfer_bytes", "error")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_S_FIELD_NUMBER: _ClassVar[int]
+    RECONFIGURE_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    LOAD_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    phase: str
+    step: int
+    quorum_id: int
+    quorum_s: float
+    reconfigure_s: float
+    transfer_s: float
+    load_s: float
+    transfer_bytes: int
+    error: str
+    def __init__(self, replica_id: _Optional[str] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., quorum_id: _Optional[int] = ..., quorum_s: _Optional[float] = ..., reconfigure_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., load_s: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class HealReportResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
