@@ -610,3 +610,19 @@ def test_pg_transport_after_a_timed_out_transfer_fails_at_once_until_reconfigure
         got = b.recv_checkpoint(0, "<n/a>", 3, timeout=TIMEOUT)
         sent.result(timeout=20)
     assert torch.equal(got["t"], torch.arange(3))
+
+
+def test_a_fetch_tells_its_progress_as_the_bytes_arrive(
+    transports: tuple[HTTPTransport[State], HTTPTransport[State]],
+) -> None:
+    src, dst = transports
+    state = {"big": torch.arange(6 << 20, dtype=torch.float32), "small": torch.ones(3)}
+    src.send_checkpoint([1], 5, state, TIMEOUT)
+    told: list[tuple[int, int]] = []
+    dst.progress = lambda done, total: told.append((done, total))
+    got = dst.recv_checkpoint(0, src.metadata(), 5, TIMEOUT)
+    assert torch.equal(got["big"], state["big"])
+    assert len(told) >= 2, told  # 24 MiB arrive in 16 MiB pieces
+    dones = [d for d, _ in told]
+    assert dones == sorted(dones) and dones[-1] == (6 << 20) * 4 + 12
+    assert all(total >= dones[-1] for _, total in told)  # the stream's announced size

@@ -243,7 +243,9 @@ def test_dashboard_history_shows_a_runs_failure_rejoin_and_heal(
     assert len(marks) == 1, [m.attrs for m in marks]
     assert marks[0].attrs["data-cause"] in ("connection closed", "heartbeat timeout")
     assert page.by_class("rejoin-mark"), "the replacement's rejoin is not marked"
-    assert int(page.by_id("participants-line").attrs["data-points"]) >= 3
+    # Quorums of both groups, then (when the survivor's quorum came first)
+    # one without the victim, then one with its replacement.
+    assert int(page.by_id("participants-line").attrs["data-points"]) >= 2
     # Each heal bar is split into its phases, which sum to its total.
     heals = page.by_class("heal")
     assert any(int(h.attrs["data-step"]) >= die_at for h in heals), [h.attrs for h in heals]

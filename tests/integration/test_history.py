@@ -98,6 +98,10 @@ def test_a_malformed_heal_report_is_refused_and_the_lighthouse_goes_on(lh: Light
         client.report_heal("group-a", {"phase": "nonsense"})
     with pytest.raises(CoordinationError, match="seconds between 0 and 1e7"):
         client.report_heal("group-a", {"phase": "done", "transfer_s": -1.0})
+    report = {"phase": "transfer", "step": 4, "transfer_bytes": 100, "bytes_done": 40}
+    assert client.report_heal("group-a", report)
+    (heal,) = client.status()["history"]["in_flight"]
+    assert (heal["phase"], heal["bytes_done"], heal["transfer_bytes"]) == ("transfer", 40, 100)
     assert client.report_heal("group-a", {"phase": "load", "step": 4, "quorum_s": 0.5})
     history = client.status()["history"]
     assert [h["phase"] for h in history["in_flight"]] == ["load"]

@@ -112,6 +112,7 @@ FTDIST = {
         "load_s": 8,
         "transfer_bytes": 9,
         "error": 10,
+        "bytes_done": 11,
     },
     "HealReportResponse": {},
 }

@@ -403,6 +403,7 @@ def read_leaves(
     device: Callable[[LeafMeta], torch.device] | None = None,
     size: int | None = None,
     targets: Callable[[Header], Mapping[int, torch.Tensor]] | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> tuple[Header, dict[int, torch.Tensor]]:
     """Read one stream: the header and {leaf index: tensor}.
 
@@ -415,12 +416,13 @@ def read_leaves(
         targets: given the checked header, the CPU tensors to receive into
             in place, by leaf index (see :mod:`._targets`); the other leaves
             get fresh tensors.
+        progress: told the size of each piece of tensor data received.
 
     Raises:
         CheckpointError: wrong step, malformed, truncated or corrupted stream.
     """
     try:
-        return _read_leaves(reader, step, device, size, targets)
+        return _read_leaves(reader, step, device, size, targets, progress)
     finally:
         reader.close()
 
@@ -431,6 +433,7 @@ def _read_leaves(
     device: Callable[[LeafMeta], torch.device] | None,
     size: int | None,
     targets: Callable[[Header], Mapping[int, torch.Tensor]] | None,
+    progress: Callable[[int], None] | None,
 ) -> tuple[Header, dict[int, torch.Tensor]]:
     header = reader.read_header(size)
     check_step(header, step, reader.what)
@@ -439,8 +442,16 @@ def _read_leaves(
     got: dict[int, torch.Tensor] = {}
     with Prefaulter() as prefault:
         # Fresh leaves land on the host, then move to their device.
+        advance = prefault.advance
+
+        if progress is not None:
+
+            def advance(nbytes: int) -> None:
+                prefault.advance(nbytes)
+                progress(nbytes)
+
         for _, index, t in staged_leaves(header, own, cpu, prefault):
-            reader.read_into(flat_bytes(t), prefault.advance)
+            reader.read_into(flat_bytes(t), advance)
             meta = header.leaves[index]
             place = (
                 cpu if index in own or device is None or meta.kind == "ndarray" else device(meta)

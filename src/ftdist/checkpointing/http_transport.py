@@ -51,7 +51,7 @@ from ftdist.checkpointing._codec import LeafMeta
 from ftdist.checkpointing._http_server import CheckpointServer, Request
 from ftdist.checkpointing._rwlock import LockClosedError, RWLock
 from ftdist.checkpointing._targets import in_place_targets
-from ftdist.checkpointing.transport import CheckpointTransport, TransferStats
+from ftdist.checkpointing.transport import CheckpointTransport, TransferProgress, TransferStats
 from ftdist.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -316,7 +316,7 @@ class HTTPTransport(CheckpointTransport[T]):
 
     # -- fetching ------------------------------------------------------------
     def _fetch(
-        self, url: str, step: int, timeout: timedelta
+        self, url: str, step: int, timeout: timedelta, progress: TransferProgress | None = None
     ) -> tuple[_wire.Header, dict[int, torch.Tensor], int]:
         cpu = torch.device("cpu")
         parts = urlsplit(url)
@@ -332,12 +332,15 @@ class HTTPTransport(CheckpointTransport[T]):
                 body = resp.read(2000)
                 raise CheckpointHTTPError(url, resp.status, resp.reason, resp.headers, body)
             reader = _wire.StreamReader(resp.readinto, url)
+            if progress is not None and resp.length:
+                progress.expect(resp.length)
             header, tensors = _wire.read_leaves(
                 reader,
                 step,
                 _default_device,
                 size=resp.length,
                 targets=lambda header: in_place_targets(self._receive_into, header, cpu),
+                progress=progress.add if progress is not None else None,
             )
             return header, tensors, reader.total
         except CheckpointError:
@@ -366,13 +369,15 @@ class HTTPTransport(CheckpointTransport[T]):
         timeout = self._timeout if timeout is None else timeout
         start = time.perf_counter()
         base = f"{metadata}{step}"
+        tracker = TransferProgress(self.progress) if self.progress is not None else None
         if self._num_chunks <= 1:
-            header, tensors, nbytes = self._fetch(f"{base}/full", step, timeout)
+            header, tensors, nbytes = self._fetch(f"{base}/full", step, timeout, tracker)
         else:
             with ThreadPoolExecutor(self._num_chunks, thread_name_prefix="ftdist-fetch") as pool:
                 parts = list(
                     pool.map(
-                        lambda i: self._fetch(f"{base}/{i}", step, timeout), range(self._num_chunks)
+                        lambda i: self._fetch(f"{base}/{i}", step, timeout, tracker),
+                        range(self._num_chunks),
                     )
                 )
             header = parts[0][0]

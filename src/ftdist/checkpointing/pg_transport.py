@@ -29,7 +29,7 @@ from ftdist.checkpointing import _wire
 from ftdist.checkpointing._checksum import WordSum
 from ftdist.checkpointing._prefault import Prefaulter
 from ftdist.checkpointing._targets import in_place_targets
-from ftdist.checkpointing.transport import CheckpointTransport, TransferStats
+from ftdist.checkpointing.transport import CheckpointTransport, TransferProgress, TransferStats
 from ftdist.errors import CollectiveTimeoutError
 
 T = TypeVar("T")
@@ -172,6 +172,9 @@ class PGTransport(CheckpointTransport[T]):
         targets = in_place_targets(self._state_dict, header, self._device)
         tensors: dict[int, torch.Tensor] = {}
         digest, total = WordSum(), len(prefix) + len(raw)
+        tracker = TransferProgress(self.progress) if self.progress is not None else None
+        if tracker is not None:
+            tracker.expect(body_len)
         # Receives stay posted ahead: the sums of one tensor are taken while
         # the next ones arrive, and Gloo's sender never waits for a post.
         pending: collections.deque[tuple[torch.Tensor, Any]] = collections.deque()
@@ -185,6 +188,8 @@ class PGTransport(CheckpointTransport[T]):
                 _wire.sum_flat(digest, flat)
                 total += flat.numel()
                 prefault.advance(flat.numel())
+                if tracker is not None:
+                    tracker.add(flat.numel())
 
             for pos, index, t in _wire.staged_leaves(header, targets, self._device, prefault):
                 tensors[index] = t

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Generic, TypeVar
@@ -28,6 +30,33 @@ class TransferStats:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
+class TransferProgress:
+    """A receive's bytes so far, told to ``report`` as they arrive (thread-safe:
+    chunked fetches add from several threads).
+
+    Args:
+        report: called with (bytes received, bytes expected).
+    """
+
+    def __init__(self, report: Callable[[int, int], None]) -> None:
+        self._report = report
+        self._lock = threading.Lock()
+        self._done = 0
+        self._total = 0
+
+    def expect(self, nbytes: int) -> None:
+        """``nbytes`` more are on their way (a stream's announced size)."""
+        with self._lock:
+            self._total += nbytes
+
+    def add(self, nbytes: int) -> None:
+        """``nbytes`` more arrived."""
+        with self._lock:
+            self._done += nbytes
+            done, total = self._done, self._total
+        self._report(done, total)
+
+
 class CheckpointTransport(ABC, Generic[T]):
     """Moves a live state dict from a healthy replica to a recovering one.
 
@@ -39,6 +68,10 @@ class CheckpointTransport(ABC, Generic[T]):
     """
 
     last_transfer: TransferStats | None = None
+    # Told (bytes received so far, bytes expected) as a receive goes, by the
+    # transports that can (ftdist's); the Manager sets it to show a heal's
+    # progress on the lighthouse's dashboard.
+    progress: Callable[[int, int], None] | None = None
 
     @abstractmethod
     def metadata(self) -> str:

@@ -57,11 +57,13 @@ def _event_line(event: Mapping[str, Any]) -> str:
             for name in ("quorum", "reconfigure", "transfer", "load")
         )
         outcome = "healed" if event.get("ok", True) else "heal FAILED"
-        size = int(event.get("transfer_bytes", 0)) / 1e6
+        size = int(event.get("transfer_bytes", 0))
+        seconds = float(event.get("transfer_s", 0.0))
+        rate = f" at {size / seconds / 1e9:.2f} GB/s" if seconds > 0 else ""
         return (
             f"{when}  {outcome}: {clean(str(event.get('replica_id'))[:60])} to step "
             f"{clean(event.get('step'))} "
-            f"in {float(event.get('total_s', 0.0)):.2f} s ({phases}; {size:.1f} MB)"
+            f"in {float(event.get('total_s', 0.0)):.2f} s ({phases}; {size / 1e6:.1f} MB{rate})"
         )
     if kind == "failover":
         was = clean(event.get("previous") or "none")
@@ -123,9 +125,16 @@ def render_history(history: Mapping[str, Any], window_s: float = 600.0) -> list[
     )
     for heal in history.get("in_flight") or []:
         since = now - float(heal.get("started", now))
+        total = int(heal.get("transfer_bytes") or 0)
+        done = int(heal.get("bytes_done") or 0)
+        far = (
+            f" {done / 1e6:.1f} of {total / 1e6:.1f} MB"
+            if heal.get("phase") == "transfer" and total
+            else ""
+        )
         lines.append(
-            f"  healing now: {clean(str(heal.get('replica_id'))[:60])} ({clean(heal.get('phase'))}, "
-            f"{since:.1f} s, to step {clean(heal.get('step'))})"
+            f"  healing now: {clean(str(heal.get('replica_id'))[:60])} ({clean(heal.get('phase'))}"
+            f"{far}, {since:.1f} s, to step {clean(heal.get('step'))})"
         )
     events = list(history.get("events") or [])[-MAX_EVENT_LINES:]
     lines.extend("  " + _event_line(e) for e in events)

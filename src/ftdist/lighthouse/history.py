@@ -291,6 +291,8 @@ def record_heal_report(history: JobHistory, now: float, report: Any) -> str | No
         "transfer_bytes": max(0, int(report.transfer_bytes)),
         **seconds,
     }
+    if phase == "transfer":
+        fields["bytes_done"] = max(0, int(report.bytes_done))
     if phase in _HEAL_ENDS:
         history.heal_done(now, replica_id, {**fields, "ok": phase == "done"})
         if phase == "failed":

@@ -54,6 +54,8 @@ MANAGER_STATE_KEY = "ftdist"
 # Heal sources whose clients are kept open (a restarted peer has a new
 # address; the oldest are closed beyond this many).
 MAX_SOURCE_CLIENTS = 4
+# A heal in flight tells the lighthouse how far its transfer is this often.
+PROGRESS_PERIOD_S = 0.25
 
 # Parts are named by this many leading path components, e.g.
 # "user/default/optim/param_groups": fine enough to say what differs, coarse enough
@@ -309,7 +311,14 @@ class Healer:
             client = self._source(quorum.recover_src_manager_address)
             metadata = client._checkpoint_metadata(group_rank, timeout=self._timeout)
             start = time.perf_counter()
-            state = self.transport.recv_checkpoint(src, metadata, quorum.max_step, self._timeout)
+            if self.reporter is not None:
+                self.transport.progress = self._progress(timeline)
+            try:
+                state = self.transport.recv_checkpoint(
+                    src, metadata, quorum.max_step, self._timeout
+                )
+            finally:
+                self.transport.progress = None
         except Exception as exc:
             timeline.transfer_s = time.perf_counter() - start
             self.tell(timeline, "failed", repr(exc))
@@ -321,10 +330,36 @@ class Healer:
             raise TypeError(f"the heal source sent a {type(state).__name__}, not a state dict")
         return state, timeline
 
-    def tell(self, timeline: HealTimeline | None, phase: str, error: str = "") -> None:
-        """Report a received heal's ``phase`` (or its end: ``done``, ``failed``); None: nothing."""
+    def tell(
+        self,
+        timeline: HealTimeline | None,
+        phase: str,
+        error: str = "",
+        bytes_done: int = 0,
+        bytes_total: int = 0,
+    ) -> None:
+        """Report a received heal's ``phase`` (or its end: ``done``, ``failed``); None: nothing.
+
+        During the transfer, ``bytes_done`` of ``bytes_total`` have arrived.
+        """
         if self.reporter is not None and timeline is not None and timeline.role == "receive":
-            self.reporter(timeline.report(phase, error))
+            report = timeline.report(phase, error)
+            if bytes_total:
+                report.update(bytes_done=bytes_done, transfer_bytes=bytes_total)
+            self.reporter(report)
+
+    def _progress(self, timeline: HealTimeline) -> Callable[[int, int], None]:
+        """Reports a transfer's bytes so far, at most every :data:`PROGRESS_PERIOD_S`."""
+        last = [0.0]
+
+        def progress(done: int, total: int) -> None:
+            now = time.monotonic()
+            if now - last[0] < PROGRESS_PERIOD_S or done >= total:
+                return
+            last[0] = now
+            self.tell(timeline, "transfer", bytes_done=done, bytes_total=total)
+
+        return progress
 
     def _source(self, address: str) -> ManagerClientLike:
         client = self._sources.pop(address, None)

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x66tdist.proto\x12\x06\x66tdist\x1a\x1fgoogle/protobuf/timestamp.proto\"8\n\x10SubscribeRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x10\n\x08listener\x18\x02 \x01(\t\"\xa8\x01\n\x0fLighthouseEvent\x12\x1f\n\x04kind\x18\x01 \x01(\x0e\x32\x11.ftdist.EventKind\x12\x11\n\tquorum_id\x18\x02 \x01(\x03\x12\x12\n\nreplica_id\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12(\n\x04time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0breplica_ids\x18\x06 \x03(\t\"\x0f\n\rStatusRequest\"%\n\x0eStatusResponse\x12\x13\n\x0bstatus_json\x18\x01 \x01(\t\"\"\n\x0cLeaveRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"\x0f\n\rLeaveResponse\"\xc4\x01\n\nHealReport\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\r\n\x05phase\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x11\n\tquorum_id\x18\x04 \x01(\x03\x12\x10\n\x08quorum_s\x18\x05 \x01(\x01\x12\x15\n\rreconfigure_s\x18\x06 \x01(\x01\x12\x12\n\ntransfer_s\x18\x07 \x01(\x01\x12\x0e\n\x06load_s\x18\x08 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\t \x01(\x03\x12\r\n\x05\x65rror\x18\n \x01(\t\"\x14\n\x12HealReportResponse*n\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nSUBSCRIBED\x10\x01\x12\x11\n\rQUORUM_FORMED\x10\x02\x12\x11\n\rMEMBER_FAILED\x10\x03\x12\x0f\n\x0bMEMBER_LEFT\x10\x04\x32\x81\x02\n\x10LighthouseEvents\x12@\n\tSubscribe\x12\x18.ftdist.SubscribeRequest\x1a\x17.ftdist.LighthouseEvent0\x01\x12\x37\n\x06Status\x12\x15.ftdist.StatusRequest\x1a\x16.ftdist.StatusResponse\x12\x34\n\x05Leave\x12\x14.ftdist.LeaveRequest\x1a\x15.ftdist.LeaveResponse\x12<\n\nReportHeal\x12\x12.ftdist.HealReport\x1a\x1a.ftdist.HealReportResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x66tdist.proto\x12\x06\x66tdist\x1a\x1fgoogle/protobuf/timestamp.proto\"8\n\x10SubscribeRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x10\n\x08listener\x18\x02 \x01(\t\"\xa8\x01\n\x0fLighthouseEvent\x12\x1f\n\x04kind\x18\x01 \x01(\x0e\x32\x11.ftdist.EventKind\x12\x11\n\tquorum_id\x18\x02 \x01(\x03\x12\x12\n\nreplica_id\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12(\n\x04time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0breplica_ids\x18\x06 \x03(\t\"\x0f\n\rStatusRequest\"%\n\x0eStatusResponse\x12\x13\n\x0bstatus_json\x18\x01 \x01(\t\"\"\n\x0cLeaveRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"\x0f\n\rLeaveResponse\"\xd8\x01\n\nHealReport\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\r\n\x05phase\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x11\n\tquorum_id\x18\x04 \x01(\x03\x12\x10\n\x08quorum_s\x18\x05 \x01(\x01\x12\x15\n\rreconfigure_s\x18\x06 \x01(\x01\x12\x12\n\ntransfer_s\x18\x07 \x01(\x01\x12\x0e\n\x06load_s\x18\x08 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\t \x01(\x03\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x12\n\nbytes_done\x18\x0b \x01(\x03\"\x14\n\x12HealReportResponse*n\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nSUBSCRIBED\x10\x01\x12\x11\n\rQUORUM_FORMED\x10\x02\x12\x11\n\rMEMBER_FAILED\x10\x03\x12\x0f\n\x0bMEMBER_LEFT\x10\x04\x32\x81\x02\n\x10LighthouseEvents\x12@\n\tSubscribe\x12\x18.ftdist.SubscribeRequest\x1a\x17.ftdist.LighthouseEvent0\x01\x12\x37\n\x06Status\x12\x15.ftdist.StatusRequest\x1a\x16.ftdist.StatusResponse\x12\x34\n\x05Leave\x12\x14.ftdist.LeaveRequest\x1a\x15.ftdist.LeaveResponse\x12<\n\nReportHeal\x12\x12.ftdist.HealReport\x1a\x1a.ftdist.HealReportResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ftdist_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_EVENTKIND']._serialized_start=616
-  _globals['_EVENTKIND']._serialized_end=726
+  _globals['_EVENTKIND']._serialized_start=636
+  _globals['_EVENTKIND']._serialized_end=746
   _globals['_SUBSCRIBEREQUEST']._serialized_start=57
   _globals['_SUBSCRIBEREQUEST']._serialized_end=113
   _globals['_LIGHTHOUSEEVENT']._serialized_start=116
@@ -47,9 +47,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LEAVERESPONSE']._serialized_start=378
   _globals['_LEAVERESPONSE']._serialized_end=393
   _globals['_HEALREPORT']._serialized_start=396
-  _globals['_HEALREPORT']._serialized_end=592
-  _globals['_HEALREPORTRESPONSE']._serialized_start=594
-  _globals['_HEALREPORTRESPONSE']._serialized_end=614
-  _globals['_LIGHTHOUSEEVENTS']._serialized_start=729
-  _globals['_LIGHTHOUSEEVENTS']._serialized_end=986
+  _globals['_HEALREPORT']._serialized_end=612
+  _globals['_HEALREPORTRESPONSE']._serialized_start=614
+  _globals['_HEALREPORTRESPONSE']._serialized_end=634
+  _globals['_LIGHTHOUSEEVENTS']._serialized_start=749
+  _globals['_LIGHTHOUSEEVENTS']._serialized_end=1006
 # @@protoc_insertion_point(module_scope)

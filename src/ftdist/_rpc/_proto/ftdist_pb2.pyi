@@ -68,7 +68,7 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class HealReport(_message.Message):
-    __slots__ = ("replica_id", "phase", "step", "quorum_id", "quorum_s", "reconfigure_s", "transfer_s", "load_s", "transfer_bytes", "error")
+    __slots__ = ("replica_id", "phase", "step", "quorum_id", "quorum_s", "reconfigure_s", "transfer_s", "load_s", "transfer_bytes", "error", "bytes_done")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class HealReport(_message.Message):
     LOAD_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     phase: str
     step: int
@@ -89,7 +90,8 @@ class HealReport(_message.Message):
     load_s: float
     transfer_bytes: int
     error: str
-    def __init__(self, replica_id: _Optional[str] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., quorum_id: _Optional[int] = ..., quorum_s: _Optional[float] = ..., reconfigure_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., load_s: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    bytes_done: int
+    def __init__(self, replica_id: _Optional[str] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., quorum_id: _Optional[int] = ..., quorum_s: _Optional[float] = ..., reconfigure_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., load_s: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., error: _Optional[str] = ..., bytes_done: _Optional[int] = ...) -> None: ...
 
 class HealReportResponse(_message.Message):
     __slots__ = ()
