@@ -177,12 +177,14 @@ def test_ci_demo_run_with_failures(demo: Any) -> None:
     assert "data ledger (ExactSampler" in stdout
     assert "a simulation from this run's recorded quorums" in stdout
 
-    # The lighthouse's history: every SIGKILL a failure, every recovery a heal
-    # its manager reported; a dashboard screenshot taken during the run is
-    # linked from the report.
+    # The lighthouse's history: the failures injected (a victim killed again
+    # before it joined a quorum is no member's failure; a stop may outlast
+    # the heartbeat timeout or not), every recovery a heal its manager
+    # reported; a dashboard screenshot taken during the run is linked from
+    # the report.
     history = report["lighthouse_history"]
     failed = [e for e in history["events"] if e["kind"] == "failure" and e["cause"] != "left"]
-    assert len(failed) >= kinds.count("kill"), history["events"]
+    assert 1 <= len(failed) <= len(main["injections"]), history["events"]
     assert len([e for e in history["events"] if e["kind"] == "heal"]) >= len(recoveries)
     if shot is not None:
         assert report["dashboard_screenshots"] == [str(shot)]

@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import struct
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -158,7 +158,7 @@ def plan(state_dict: Any, step: int, num_chunks: int = 1) -> list[Stream]:
     return streams
 
 
-def chunks(stream: Stream) -> Iterator[memoryview | bytes]:
+def chunks(stream: Stream) -> Generator[memoryview | bytes, None, None]:
     """The stream as a sequence of buffers; the last one is the trailer.
 
     CPU tensors are yielded as views of their own memory; other devices'

@@ -226,9 +226,12 @@ class HTTPTransport(CheckpointTransport[T]):
         req.send_header("Content-Length", str(stream.size))
         req.end_headers()
         req.streaming = True
+        # Closed here, not whenever a traceback lets go of it: its summing
+        # thread stops with the transfer.
+        pieces = _wire.chunks(stream)
         try:
             small = bytearray()
-            for buf in _wire.chunks(stream):
+            for buf in pieces:
                 if req.aborted:
                     raise ConnectionAbortedError("the state was revoked")
                 # Coalesce small pieces into one write; stream big ones as is.
@@ -242,6 +245,7 @@ class HTTPTransport(CheckpointTransport[T]):
             if small:
                 req.wfile.write(small)
         finally:
+            pieces.close()
             req.streaming = False
 
     def address(self) -> str:

@@ -20,6 +20,7 @@ differs instead of letting replicas drift apart silently.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -56,6 +57,9 @@ MANAGER_STATE_KEY = "ftdist"
 MAX_SOURCE_CLIENTS = 4
 # A heal in flight tells the lighthouse how far its transfer is this often.
 PROGRESS_PERIOD_S = 0.25
+# How long a closing Manager waits for its last heal reports to go out (a
+# heal that ends just before the job does is still on the dashboard).
+REPORT_DRAIN_S = 2.0
 
 # Parts are named by this many leading path components, e.g.
 # "user/default/optim/param_groups": fine enough to say what differs, coarse enough
@@ -408,8 +412,12 @@ class HealReporter:
             logger.debug("heal report not delivered: %s", exc)
 
     def close(self) -> None:
-        """Drop what is queued; wait for the report in flight (bounded by its timeout)."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Deliver what is queued within :data:`REPORT_DRAIN_S`, then drop the rest."""
+        with contextlib.suppress(RuntimeError):  # closed already
+            drained = self._pool.submit(lambda: None)
+            with contextlib.suppress(concurrent.futures.TimeoutError):
+                drained.result(timeout=REPORT_DRAIN_S)
+        self._pool.shutdown(wait=True, cancel_futures=True)  # in flight: its own timeout
 
 
 def load_received(
