@@ -417,8 +417,10 @@ class LighthouseEngine:
             del heartbeats[replica_id]
         expired = [rid for rid, seen in heartbeats.items() if now - seen >= timeout]
         self._expired_at_tick = len(expired)
-        for rid in expired:
-            self.history.lost(self._wall_clock(), rid, f"no heartbeat for {timeout:g} s or more")
+        if expired:
+            wall, why = self._wall_clock(), f"no heartbeat for {timeout:g} s or more"
+            for rid in expired:
+                self.history.lost(wall, rid, why)
         self._check_lost_streams(now)
         self._report_dead_members(now)
         if not self.state.participants:

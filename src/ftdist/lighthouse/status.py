@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
-import math
 import time
 from typing import Any
 
@@ -83,10 +82,7 @@ def build_status(engine: LighthouseEngine, config: LighthouseConfig) -> dict[str
             ],
         }
     latency = engine.latency
-    cumulative, buckets = 0, []
-    for bound, count in zip((*latency.bounds, math.inf), latency.counts, strict=True):
-        cumulative += count
-        buckets.append(["+Inf" if math.isinf(bound) else bound, cumulative])
+    buckets = latency.cumulative()
     return {
         "quorum_id": state.quorum_id,
         "next_quorum": {"ready": decision.ready, "reason": decision.reason},
@@ -103,7 +99,7 @@ def build_status(engine: LighthouseEngine, config: LighthouseConfig) -> dict[str
         "quorum_latency_seconds": {
             "buckets": buckets,
             "sum": latency.total,
-            "count": cumulative,
+            "count": buckets[-1][1],
         },
         "settings": {
             "min_replicas": config.min_replicas,

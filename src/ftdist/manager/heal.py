@@ -315,14 +315,19 @@ class Healer:
             client = self._source(quorum.recover_src_manager_address)
             metadata = client._checkpoint_metadata(group_rank, timeout=self._timeout)
             start = time.perf_counter()
-            if self.reporter is not None:
-                self.transport.progress = self._progress(timeline)
-            try:
+            if self.reporter is None:
                 state = self.transport.recv_checkpoint(
                     src, metadata, quorum.max_step, self._timeout
                 )
-            finally:
-                self.transport.progress = None
+            else:
+                # Set for this receive only; a transport without the hook ignores it.
+                self.transport.progress = self._progress(timeline)
+                try:
+                    state = self.transport.recv_checkpoint(
+                        src, metadata, quorum.max_step, self._timeout
+                    )
+                finally:
+                    self.transport.progress = None
         except Exception as exc:
             timeline.transfer_s = time.perf_counter() - start
             self.tell(timeline, "failed", repr(exc))

@@ -36,7 +36,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -335,9 +334,11 @@ class Manager(TorchftInternals, StateRegistration):
             self._settle_heal(self._timeout)
         elif self._step == 0 and self._batches_committed == 0:
             # Never committed: heal before a forward on weights about to go (adds zeros: async).
-            with contextlib.suppress(ValueError, TypeError):  # misuse: the next wait raises it
+            try:
                 self._await_round()
-                self._settle_heal(self._timeout)
+            except (ValueError, TypeError):  # misuse found by the round: the next wait raises it
+                return
+            self._settle_heal(self._timeout)
 
     def wait_quorum(self) -> None:
         """Block until the quorum started by :meth:`start_quorum` is done.
@@ -409,14 +410,13 @@ class Manager(TorchftInternals, StateRegistration):
         # Only the transfers count here: an unrelated error of the step
         # fails the step, not the heal, which still moves state and step.
         if group_vote and not self._vote(staged is not None or not healing, timeout):
-            self._healer.tell(staged.timeline if staged else None, "failed", "a rank lacks it")
+            why = RecoveryError(
+                "a rank of the replica group did not receive its part of the heal; "
+                "no rank applies it, and the group heals again at the next quorum"
+            )
+            self._healer.tell(staged.timeline if staged else None, "failed", str(why))
             if self._errored is None:  # keep this rank's own cause, if any
-                self.report_error(
-                    RecoveryError(
-                        "a rank of the replica group did not receive its part of the heal; "
-                        "no rank applies it, and the group heals again at the next quorum"
-                    )
-                )
+                self.report_error(why)
             return
         if staged is None:
             return
