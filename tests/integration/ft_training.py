@@ -132,9 +132,16 @@ def train(
 
     ballast = torch.zeros(int(actions.get("ballast_mb", 0) * 2**20) // 4)
 
+    # Per load: (this replica had never committed, the heal was received
+    # straight into its own tensors); the Manager's step moves after the load.
+    loads: list[tuple[bool, bool]] = []
+
     def load(sd: dict[str, Any]) -> None:
         if actions.get("die_during_heal"):
             os.kill(os.getpid(), signal.SIGKILL)
+        mine = model.state_dict()
+        in_place = all(v.data_ptr() == mine[k].data_ptr() for k, v in sd["model"].items())
+        loads.append((manager.current_step() == 0, in_place))
         model.load_state_dict(sd["model"])
         optim.load_state_dict(sd["optim"])
         ballast.copy_(sd["ballast"])
@@ -277,6 +284,7 @@ def train(
             "commit_times": commit_times,
             "errors": errors,
             "heals": [t.as_dict() for t in manager.heal_timelines],
+            "loads": loads,
         }
     finally:
         manager.shutdown()

@@ -18,8 +18,10 @@ def test_replicas_train_in_lockstep_and_end_bit_identical(lh: Lighthouses, group
     lighthouse = lh.server(min_replicas=2, join_timeout_ms=200).address()
     results = run_ranks(train, 2 * group_size, lighthouse, group_size, 8, timeout=100)
     assert_consistent(results, 8, complete=True)
-    # init_sync: whichever replica was not the primary healed from it.
+    # init_sync: whichever replica was not the primary healed from it, at
+    # step 0, so straight into its own tensors (nothing committed was there).
     assert any(h["role"] == "receive" for r in results for h in r["heals"])
+    assert [load for r in results for load in r["loads"]] == [(True, True)] * group_size
 
 
 @pytest.mark.timeout(120)
@@ -56,6 +58,7 @@ def test_variants_train_and_end_bit_identical(lh: Lighthouses, variant: str) -> 
         timeout=100,
     )
     assert_consistent(results, 6, complete=True)
+    assert [load for r in results for load in r["loads"]] == [(True, True)], results
     if variant == "spares":
         # min_replica_size=1: each committed step counted one participant.
         assert results[0]["batches"] == 6
@@ -70,6 +73,10 @@ def assert_consistent(results: list[dict[str, Any]], steps: int, complete: bool 
     by_rank: dict[int, set[str]] = {}
     for r in results:
         assert r["step"] == steps, r
+        # A heal lands in the replica's own tensors exactly when it had never
+        # committed: a committed state is never overwritten by a transfer.
+        for fresh, in_place in r.get("loads", []):
+            assert in_place == fresh, (r["replica"], r["loads"], r["heals"])
         # A replica commits each step at most once, in order; a healed one
         # starts where it joined.
         assert r["committed"] == sorted(set(r["committed"])), r

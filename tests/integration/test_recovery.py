@@ -156,6 +156,10 @@ def test_live_group_left_out_of_quorums_heals_forward_and_ends_identical(
     for group_rank in (0, 1):
         assert len({r["hash"] for r in results if r["group_rank"] == group_rank}) == 1, results
     left_out = [r for r in results if r["replica"] == 2]
+    # A replica that had committed heals into fresh memory (its committed
+    # state stays whole until the heal is loaded); one that never did, in place.
+    for r in results:
+        assert all(in_place == fresh for fresh, in_place in r["loads"]), r["loads"]
     # Both ranks of the group skipped the same steps.
     assert left_out[0]["committed"] == left_out[1]["committed"]
     # Steps skipped at the start count too: a group late to its first quorum

@@ -343,7 +343,9 @@ class HTTPTransport(CheckpointTransport[T]):
                 step,
                 _default_device,
                 size=resp.length,
-                targets=lambda header: in_place_targets(self._receive_into, header, cpu),
+                targets=lambda header: in_place_targets(
+                    self._receive_into or self.receive_into, header, cpu
+                ),
                 progress=progress.add if progress is not None else None,
             )
             return header, tensors, reader.total

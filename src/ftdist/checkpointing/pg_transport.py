@@ -169,7 +169,7 @@ class PGTransport(CheckpointTransport[T]):
         raw = self._recv_bytes(header_len, src_rank, _TAG_HEADER, timeout)
         header = _wire.parse_header(raw, header_crc, body_len, what)
         _wire.check_step(header, step, what)
-        targets = in_place_targets(self._state_dict, header, self._device)
+        targets = in_place_targets(self._state_dict or self.receive_into, header, self._device)
         tensors: dict[int, torch.Tensor] = {}
         digest, total = WordSum(), len(prefix) + len(raw)
         tracker = TransferProgress(self.progress) if self.progress is not None else None

@@ -72,6 +72,11 @@ class CheckpointTransport(ABC, Generic[T]):
     # transports that can (ftdist's); the Manager sets it to show a heal's
     # progress on the lighthouse's dashboard.
     progress: Callable[[int, int], None] | None = None
+    # Returns the receiver's own state, whose matching tensors a receive
+    # overwrites in place (ftdist's transports; one built with its own
+    # ``state_dict=`` uses that). The Manager sets it for the heal of a
+    # replica that never committed: nothing in its tensors can be lost.
+    receive_into: Callable[[], object] | None = None
 
     @abstractmethod
     def metadata(self) -> str:

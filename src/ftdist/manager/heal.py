@@ -289,9 +289,18 @@ class Healer:
         return timeline
 
     def receive(
-        self, quorum: QuorumResult, group_rank: int, quorum_s: float, reconfigure_s: float
+        self,
+        quorum: QuorumResult,
+        group_rank: int,
+        quorum_s: float,
+        reconfigure_s: float,
+        into: Callable[[], object] | None = None,
     ) -> tuple[dict[str, Any], HealTimeline]:
         """Fetch the state of the quorum's max step from this rank's heal source.
+
+        ``into`` returns this rank's own state, whose matching tensors the
+        transfer overwrites in place (see
+        :attr:`~ftdist.checkpointing.CheckpointTransport.receive_into`).
 
         Returns:
             The received state and the heal's timeline (its ``load_s`` is
@@ -315,19 +324,17 @@ class Healer:
             client = self._source(quorum.recover_src_manager_address)
             metadata = client._checkpoint_metadata(group_rank, timeout=self._timeout)
             start = time.perf_counter()
-            if self.reporter is None:
+            # Set for this receive only; a transport without the hooks ignores them.
+            self.transport.receive_into = into
+            if self.reporter is not None:
+                self.transport.progress = self._progress(timeline)
+            try:
                 state = self.transport.recv_checkpoint(
                     src, metadata, quorum.max_step, self._timeout
                 )
-            else:
-                # Set for this receive only; a transport without the hook ignores it.
-                self.transport.progress = self._progress(timeline)
-                try:
-                    state = self.transport.recv_checkpoint(
-                        src, metadata, quorum.max_step, self._timeout
-                    )
-                finally:
-                    self.transport.progress = None
+            finally:
+                self.transport.progress = None
+                self.transport.receive_into = None
         except Exception as exc:
             timeline.transfer_s = time.perf_counter() - start
             self.tell(timeline, "failed", repr(exc))

@@ -230,7 +230,7 @@ class Manager(TorchftInternals, StateRegistration):
             fixed_with_spares=self._world_size_mode == WorldSizeMode.FIXED_WITH_SPARES,
             min_replica_size=min_replica_size,
             state_for_peers=self._manager_state_dict,
-            has_state=lambda: bool(self._user_state),
+            user_state=self._user_state,
             log_prefix=self._prefix,
             participation=self._participation,
         )
@@ -306,8 +306,7 @@ class Manager(TorchftInternals, StateRegistration):
             RuntimeError: (synchronous mode only) the quorum call failed.
         """
         if not self._settled:
-            # A step that never reached should_commit: finish its round and
-            # its heal before starting the next one.
+            # A step that never reached should_commit: settle its round and heal first.
             self._await_round()
             self._settle_heal(self._timeout)
         self._pending_work = []
@@ -319,9 +318,11 @@ class Manager(TorchftInternals, StateRegistration):
         every = self._config.check_consistency_every
         periodic = every > 0 and self._step > 0 and self._step % every == 0
         send_fingerprint, self._fingerprint_due = self._fingerprint_due or periodic, False
+        fresh = self._step == 0 and self._batches_committed == 0
         self._quorum_future = self._executor.submit(
             self._round.run,
             step=self._step,
+            heal_in_place=fresh,
             commit_failures=self._commit_failures,
             send_fingerprint=send_fingerprint,
             allow_heal=allow_heal,
@@ -332,7 +333,7 @@ class Manager(TorchftInternals, StateRegistration):
             self.wait_quorum()
             self._await_round()  # takes the outcome, so that its heal is applied now
             self._settle_heal(self._timeout)
-        elif self._step == 0 and self._batches_committed == 0:
+        elif fresh:
             # Never committed: heal before a forward on weights about to go (adds zeros: async).
             try:
                 self._await_round()
@@ -407,8 +408,7 @@ class Manager(TorchftInternals, StateRegistration):
         group_vote = self._config.group_world_size > 1 and getattr(
             outcome.quorum, "group_heals", False
         )
-        # Only the transfers count here: an unrelated error of the step
-        # fails the step, not the heal, which still moves state and step.
+        # Only transfers count: another error fails the step, not the heal (state, step move).
         if group_vote and not self._vote(staged is not None or not healing, timeout):
             why = RecoveryError(
                 "a rank of the replica group did not receive its part of the heal; "

@@ -26,7 +26,7 @@ from ftdist.manager.client import ManagerClientLike, ManagerQuorumResult
 from ftdist.manager.heal import Healer, HealTimeline
 from ftdist.manager.membership import GroupMembership
 from ftdist.manager.rule import participation
-from ftdist.manager.state import ConsistencyParts
+from ftdist.manager.state import ConsistencyParts, UserState
 
 __all__ = ["Participation", "QuorumRound", "RoundOutcome", "Staged"]
 
@@ -109,7 +109,7 @@ class QuorumRound:
         fixed_with_spares: at most ``min_replica_size`` replicas take part.
         min_replica_size: see the Manager.
         state_for_peers: the state to serve (user state and counters).
-        has_state: whether any user state is registered.
+        user_state: the registered user state.
         log_prefix: names this rank in log lines.
         participation: where each round's outcome records this replica's
             part (a new one by default).
@@ -128,7 +128,7 @@ class QuorumRound:
         fixed_with_spares: bool,
         min_replica_size: int,
         state_for_peers: Callable[[], dict[str, Any]],
-        has_state: Callable[[], bool],
+        user_state: UserState,
         log_prefix: Callable[[], str] = str,
         participation: Participation | None = None,
     ) -> None:
@@ -143,8 +143,19 @@ class QuorumRound:
         self._spares = fixed_with_spares
         self._min_replica_size = min_replica_size
         self._state_for_peers = state_for_peers
-        self._has_state = has_state
+        self._user_state = user_state
         self._prefix = log_prefix
+
+    def _own_state(self) -> dict[str, Any] | None:
+        # Asked on the receiving side only for an in-place heal: if it fails,
+        # the heal still goes ahead, into fresh memory.
+        try:
+            return {"user": self._user_state.save()}
+        except Exception as exc:
+            logger.info(
+                "%s healing into fresh memory: state_dict() failed: %r", self._prefix(), exc
+            )
+            return None
 
     def _record(self, outcome: RoundOutcome) -> RoundOutcome:
         part = self.participation
@@ -157,6 +168,7 @@ class QuorumRound:
         self,
         *,
         step: int,
+        heal_in_place: bool = False,
         commit_failures: int,
         send_fingerprint: bool,
         allow_heal: bool,
@@ -164,6 +176,10 @@ class QuorumRound:
         timeout: timedelta,
     ) -> RoundOutcome:
         """One round (on the quorum thread); records this replica's part in it.
+
+        ``heal_in_place``: a heal is received straight into this replica's own
+        tensors (it never committed, and the caller awaits the heal before
+        anything reads them).
 
         Raises:
             TimeoutError: no quorum within ``timeout``.
@@ -215,7 +231,7 @@ class QuorumRound:
             )
         if not allow_heal:
             return self._record(out)
-        if (quorum.heal or quorum.recover_dst_replica_ranks) and not self._has_state():
+        if (quorum.heal or quorum.recover_dst_replica_ranks) and not self._user_state:
             raise ValueError(
                 "healing is needed but no state_dict function is registered: pass "
                 "load_state_dict/state_dict to Manager or call register_state_dict_fn()"
@@ -229,8 +245,12 @@ class QuorumRound:
                     )
                 )
             if quorum.heal:
+                # In place only while nothing committed is in the tensors (a
+                # transfer that fails half-way leaves them half overwritten)
+                # and nothing reads them (the heal is awaited before a forward).
+                into = self._own_state if heal_in_place else None
                 state, timeline = self._healer.receive(
-                    quorum, self._group_rank, quorum_s, reconfigure_s or 0.0
+                    quorum, self._group_rank, quorum_s, reconfigure_s or 0.0, into=into
                 )
                 out.staged = Staged(state, quorum.max_step, timeline)
         except Exception as exc:
