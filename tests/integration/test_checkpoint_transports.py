@@ -103,6 +103,15 @@ def test_http_chunks_in_parallel() -> None:
         state = _state(1)
         src.send_checkpoint([1], 3, state, TIMEOUT)
         _assert_same(state, dst.recv_checkpoint(0, src.metadata(), 3, TIMEOUT))
+        # What the Manager sets for a replica that never committed: every
+        # chunk lands in the receiver's own matching tensors.
+        mine = {"model": {"w": torch.zeros(64, 33), "b": torch.zeros(33, dtype=torch.bfloat16)}}
+        dst.receive_into = lambda: mine
+        got = dst.recv_checkpoint(0, src.metadata(), 3, TIMEOUT)
+        _assert_same(state, got)
+        for key in ("w", "b"):
+            assert got["model"][key].data_ptr() == mine["model"][key].data_ptr(), key
+            assert torch.equal(mine["model"][key], state["model"][key]), key
     finally:
         src.shutdown()
         dst.shutdown()

@@ -70,6 +70,24 @@ def test_round_trip_in_place_only_into_matching_tensors() -> None:
     assert receiver.last_transfer is not None and receiver.last_transfer.nbytes > 5 * 4 * 4 * 2
 
 
+def test_receive_into_is_used_unless_the_transport_has_its_own_state_dict() -> None:
+    loop = Loopback()
+    state = _state()
+    for _ in range(2):
+        PGTransport[dict[str, Any]](loop, TIMEOUT).send_checkpoint([1], 3, state)
+    set_by_manager = {"w": torch.zeros(5, 4)}
+    own = {"w": torch.zeros(5, 4)}
+    receiver = PGTransport[dict[str, Any]](loop, TIMEOUT)
+    receiver.receive_into = lambda: set_by_manager
+    got = receiver.recv_checkpoint(0, "<n/a>", 3)
+    assert got["w"].data_ptr() == set_by_manager["w"].data_ptr()
+    receiver = PGTransport[dict[str, Any]](loop, TIMEOUT, state_dict=lambda: own)
+    receiver.receive_into = lambda: set_by_manager
+    got = receiver.recv_checkpoint(0, "<n/a>", 3)
+    assert got["w"].data_ptr() == own["w"].data_ptr()
+    assert torch.equal(own["w"], state["w"])
+
+
 def test_a_long_header_is_refused_before_it_is_received() -> None:
     loop = Loopback()
     prefix = struct.pack("<8sQQII", _wire.MAGIC, _wire.MAX_HEADER_BYTES + 1, 0, 0, 0)
