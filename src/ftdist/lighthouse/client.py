@@ -102,6 +102,8 @@ _DEFAULT_STATUS_TIMEOUT = timedelta(seconds=5)
 _HEAL_REPORT_FIELDS = frozenset(ftdist_pb2.HealReport.DESCRIPTOR.fields_by_name) - {"replica_id"}
 # How often a connect wait looks whether its connection was renewed.
 _RENEW_POLL_S = 0.25
+# Pause before resending a call that never left while the channel reconnects.
+_RESEND_PAUSE_S = 0.02
 
 
 class LighthouseClient:
@@ -542,7 +544,6 @@ class LighthouseClient:
             return self._call_replicated(name, request, timeout_s, method)
         what = f"{method} call to lighthouse at {self.addr}"
         deadline = time.monotonic() + timeout_s
-        resent = False
         while True:
             remaining = max(0.001, deadline - time.monotonic())
             self._ensure_connected(min(self._connect_s, remaining), what)
@@ -560,11 +561,16 @@ class LighthouseClient:
                 if code is grpc.StatusCode.UNAVAILABLE:
                     self._connected = False
                     # The request never left (the lighthouse went away while
-                    # the channel was idle): reconnect and send it once more.
-                    # A call that was in flight is never resent.
+                    # the channel was idle): reconnect and send it again while
+                    # time is left. A call that was in flight is never resent.
+                    # Not just once: grpc's Python side caches connectivity in
+                    # a poller thread, which under load still says READY for
+                    # a moment after the channel went down, so the reconnect
+                    # wait can pass at once and the resend fail the same way.
                     details = exc.details() if isinstance(exc, grpc.Call) else ""
-                    if not resent and (details or "").startswith("failed to connect"):
-                        resent = True
+                    left = deadline - time.monotonic()
+                    if (details or "").startswith("failed to connect") and left > 0:
+                        time.sleep(min(_RESEND_PAUSE_S, left))
                         continue
                 raise _rpc.map_rpc_error(exc, what) from exc
             except ValueError as exc:  # the channel was closed
