@@ -56,20 +56,28 @@ def fits(t: torch.Tensor, meta: LeafMeta, device: torch.device) -> bool:
     )
 
 
+def own_state(
+    fixed: Callable[[], object] | None, receive_into: Callable[[], object] | None
+) -> object:
+    """The receiver's own state for one receive: from the transport's own
+    ``state_dict=`` when it has one, else from the ``receive_into`` hook the
+    Manager sets; None receives into fresh memory.
+    """
+    source = fixed if fixed is not None else receive_into
+    return None if source is None else source()
+
+
 def in_place_targets(
-    state_dict: Callable[[], object] | None, header: Header, device: torch.device
+    state: object, header: Header, device: torch.device
 ) -> dict[int, torch.Tensor]:
     """The receiver's tensors that fit the stream's leaves, by leaf index.
 
     Args:
-        state_dict: returns the receiver's current state (None, or a None
-            state: nothing is received in place).
+        state: the receiver's current state (:func:`own_state`; None:
+            nothing is received in place).
         header: the stream's checked header.
         device: the device type the bytes land on.
     """
-    if state_dict is None:
-        return {}
-    state = state_dict()
     if state is None:
         return {}
     mine = tensors_by_path(state)

@@ -50,7 +50,7 @@ from ftdist.checkpointing import _wire
 from ftdist.checkpointing._codec import LeafMeta
 from ftdist.checkpointing._http_server import CheckpointServer, Request
 from ftdist.checkpointing._rwlock import LockClosedError, RWLock
-from ftdist.checkpointing._targets import in_place_targets
+from ftdist.checkpointing._targets import in_place_targets, own_state
 from ftdist.checkpointing.transport import CheckpointTransport, TransferProgress, TransferStats
 from ftdist.errors import CheckpointError
 
@@ -320,7 +320,12 @@ class HTTPTransport(CheckpointTransport[T]):
 
     # -- fetching ------------------------------------------------------------
     def _fetch(
-        self, url: str, step: int, timeout: timedelta, progress: TransferProgress | None = None
+        self,
+        url: str,
+        step: int,
+        timeout: timedelta,
+        own: object,
+        progress: TransferProgress | None = None,
     ) -> tuple[_wire.Header, dict[int, torch.Tensor], int]:
         cpu = torch.device("cpu")
         parts = urlsplit(url)
@@ -343,9 +348,7 @@ class HTTPTransport(CheckpointTransport[T]):
                 step,
                 _default_device,
                 size=resp.length,
-                targets=lambda header: in_place_targets(
-                    self._receive_into or self.receive_into, header, cpu
-                ),
+                targets=lambda header: in_place_targets(own, header, cpu),
                 progress=progress.add if progress is not None else None,
             )
             return header, tensors, reader.total
@@ -376,13 +379,15 @@ class HTTPTransport(CheckpointTransport[T]):
         start = time.perf_counter()
         base = f"{metadata}{step}"
         tracker = TransferProgress(self.progress) if self.progress is not None else None
+        # Asked once, for every chunk: a user's state_dict() may be costly.
+        own = own_state(self._receive_into, self.receive_into)
         if self._num_chunks <= 1:
-            header, tensors, nbytes = self._fetch(f"{base}/full", step, timeout, tracker)
+            header, tensors, nbytes = self._fetch(f"{base}/full", step, timeout, own, tracker)
         else:
             with ThreadPoolExecutor(self._num_chunks, thread_name_prefix="ftdist-fetch") as pool:
                 parts = list(
                     pool.map(
-                        lambda i: self._fetch(f"{base}/{i}", step, timeout, tracker),
+                        lambda i: self._fetch(f"{base}/{i}", step, timeout, own, tracker),
                         range(self._num_chunks),
                     )
                 )

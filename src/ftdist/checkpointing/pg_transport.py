@@ -28,7 +28,7 @@ import torch
 from ftdist.checkpointing import _wire
 from ftdist.checkpointing._checksum import WordSum
 from ftdist.checkpointing._prefault import Prefaulter
-from ftdist.checkpointing._targets import in_place_targets
+from ftdist.checkpointing._targets import in_place_targets, own_state
 from ftdist.checkpointing.transport import CheckpointTransport, TransferProgress, TransferStats
 from ftdist.errors import CollectiveTimeoutError
 
@@ -169,7 +169,8 @@ class PGTransport(CheckpointTransport[T]):
         raw = self._recv_bytes(header_len, src_rank, _TAG_HEADER, timeout)
         header = _wire.parse_header(raw, header_crc, body_len, what)
         _wire.check_step(header, step, what)
-        targets = in_place_targets(self._state_dict or self.receive_into, header, self._device)
+        own = own_state(self._state_dict, self.receive_into)
+        targets = in_place_targets(own, header, self._device)
         tensors: dict[int, torch.Tensor] = {}
         digest, total = WordSum(), len(prefix) + len(raw)
         tracker = TransferProgress(self.progress) if self.progress is not None else None
