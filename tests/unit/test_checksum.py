@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -80,12 +82,37 @@ def test_segment_boundaries_count() -> None:
 
 
 def test_large_buffers_match_the_definition_across_blocks() -> None:
-    data = bytes(range(256)) * 5000 + b"xyz"  # several blocks, a ragged end
+    data = bytes(range(256)) * 5000 + b"xyz"  # many rows, a ragged end
     d = WordSum()
     d.update(memoryview(data))
     expected = _by_definition([data])
     assert d.digest() == expected
     assert WordSum().fold64() == 0
+
+
+@SETTINGS
+@given(
+    segs=segments,
+    cuts=st.lists(st.integers(0, 1300), max_size=6),
+    row=st.sampled_from([1, 2, 3, 8, 64]),
+    block_rows=st.integers(1, 5),
+)
+def test_row_width_and_block_size_never_change_the_digest(
+    segs: list[bytes], cuts: list[int], row: int, block_rows: int
+) -> None:
+    # The widths are tuned for speed only; small ones make these short
+    # inputs cross many rows and blocks (and ragged tails of each).
+    import numpy as np
+
+    from ftdist.checkpointing import _checksum
+
+    weights = np.arange(row, dtype=np.uint64)
+    with (
+        mock.patch.object(_checksum, "_ROW", row),
+        mock.patch.object(_checksum, "_COLUMN_WEIGHTS", weights),
+        mock.patch.object(_checksum, "_BLOCK_WORDS", row * block_rows + 1),
+    ):
+        assert _digest(segs, cuts) == _by_definition(segs)
 
 
 def test_summing_behind_gives_the_same_digest_and_stops_its_thread() -> None:

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -507,6 +508,26 @@ def test_ddp_and_the_optimizer_wrapper_register_what_must_match(make: Any) -> No
     assert manager.consistency_keys() == ["model"]
     with pytest.raises(KeyError, match="no consistency part 'optimizer'"):
         manager.unregister_consistency_fn("optimizer")
+
+
+def test_ddp_skips_the_initial_broadcast_over_its_group_of_one(make: Any) -> None:
+    # Over the dummy group the broadcast moves nothing; torch would still
+    # flatten and copy every parameter. A caller's own init_sync wins.
+    from torch.nn.parallel import distributed as torch_ddp
+
+    from ftdist.ddp import DistributedDataParallel
+
+    manager, _, _, _ = make()
+    net = torch.nn.Linear(4, 4)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with mock.patch.object(
+        torch_ddp, "_sync_module_states", wraps=torch_ddp._sync_module_states
+    ) as sync:
+        DistributedDataParallel(manager, net)
+        assert sync.call_count == 0
+        DistributedDataParallel(manager, net, init_sync=True)
+        assert sync.call_count == 1
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
 
 
 def test_the_healer_keeps_few_source_clients_open() -> None:

@@ -56,9 +56,14 @@ TRAILER_BYTES = _TRAILER.size
 # A header describes every leaf (about 150 bytes a tensor): 128 MiB is room
 # for ~800k tensors, and bounds what a peer can make a receiver hold.
 MAX_HEADER_BYTES = 128 << 20
-# Device-to-host copies, socket writes and header reads go in pieces of this
-# size, so a GPU state never needs a second full copy in host memory.
+# Device-to-host copies and header reads go in pieces of this size, so a GPU
+# state never needs a second full copy in host memory.
 CHUNK_BYTES = 16 << 20
+# Host memory is sent, received and summed in pieces of this size: the helper
+# thread sums a piece while it is still in the cache the socket copy left it
+# in. 4 MiB pieces made an in-place HTTP receive 1.2x as fast as 16 MiB ones
+# (3.6 vs 3.0 GB/s, 1 GiB on loopback, medians of 9); 1 MiB ones were slower.
+PIECE_BYTES = 4 << 20
 _HEADER_KEYS = {"format", "step", "tree", "tensors", "carried"}
 
 
@@ -161,8 +166,9 @@ def plan(state_dict: Any, step: int, num_chunks: int = 1) -> list[Stream]:
 def chunks(stream: Stream) -> Generator[memoryview | bytes, None, None]:
     """The stream as a sequence of buffers; the last one is the trailer.
 
-    CPU tensors are yielded as views of their own memory; other devices'
-    tensors are copied to the host :data:`CHUNK_BYTES` at a time.
+    CPU tensors are yielded as views of their own memory, :data:`PIECE_BYTES`
+    at a time; other devices' tensors are copied to the host
+    :data:`CHUNK_BYTES` at a time.
     """
     total = len(stream.head)
     yield stream.head
@@ -170,8 +176,9 @@ def chunks(stream: Stream) -> Generator[memoryview | bytes, None, None]:
     with SumBehind() as digest:
         for t in stream.tensors:
             flat = flat_bytes(t)
-            for start in range(0, flat.numel(), CHUNK_BYTES):
-                piece = flat[start : start + CHUNK_BYTES]
+            size = PIECE_BYTES if flat.device.type == "cpu" else CHUNK_BYTES
+            for start in range(0, flat.numel(), size):
+                piece = flat[start : start + size]
                 buf = host_view(piece if piece.device.type == "cpu" else piece.cpu())
                 digest.update(buf)
                 total += len(buf)
@@ -333,8 +340,8 @@ class StreamReader:
         ``progress`` is told the size of each piece read.
         """
         view = host_view(flat)
-        for start in range(0, len(view), CHUNK_BYTES):
-            piece = view[start : start + CHUNK_BYTES]
+        for start in range(0, len(view), PIECE_BYTES):
+            piece = view[start : start + PIECE_BYTES]
             self._fill(piece)
             self._digest.update(piece)
             if progress is not None:
