@@ -968,8 +968,8 @@ def _replace_once(args: argparse.Namespace, stack: str = "ftdist") -> dict[str, 
     if new["t_loaded"] is None or new["t_first_commit"] is None:
         raise RuntimeError(f"(c) {stack}: the replacement did not heal and commit")
     ready_to_healed = new["t_loaded"] - new["t_ready"]
-    # The user's wrappers (torch DDP's reducer allocates its gradient
-    # buckets) are built in the window; the same code in both stacks.
+    # The user's wrappers (torch DDP's constructor; torchft's still runs its
+    # initial broadcast, ftdist's skips it) are built in the window.
     wrapped_to_healed = new["t_loaded"] - new["t_wrapped"]
     if stack != "ftdist":
         return {
