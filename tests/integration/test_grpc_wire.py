@@ -129,6 +129,13 @@ def test_the_lighthouse_sends_no_ping_a_client_did_not_ask_for(lh: Lighthouses) 
     pings = [frame for frame in wire.frames if frame[0] == _PING and not frame[1] & _ACK]
     kinds = sorted({frame[0] for frame in wire.frames})
     assert pings == [], f"{len(pings)} PINGs in 20 calls (frame types seen: {kinds})"
+    # Without the probe the window must still take a whole request at once.
+    settings = [frame[3] for frame in wire.frames if frame[0] == _SETTINGS and not frame[1] & _ACK]
+    assert settings, kinds
+    advertised = dict(
+        struct.unpack(">HI", settings[0][at : at + 6]) for at in range(0, len(settings[0]), 6)
+    )
+    assert advertised.get(_INITIAL_WINDOW_SIZE, 65535) >= 4 * 1024 * 1024, advertised
     answered = {
         frame[2] for frame in wire.frames if frame[0] == _HEADERS and frame[1] & _END_STREAM
     }
