@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +26,16 @@ import pytest
 
 from ftdist._rpc import common as _rpc
 from ftdist._rpc._proto import torchft_pb2
+from ftdist.coordination import LighthouseClient
 from ftdist.etcd.local import LocalEtcdCluster
 from ftdist.launch.ranks import Ranks
+from ftdist.lighthouse import LighthouseServer
+from ftdist.lighthouse.config import resolve_lighthouse_config
 from ftdist.lighthouse.local import LocalLighthouseReplicas
 from tests import _diagnostics
 from tests.etcd_fixtures import etcd_cluster  # noqa: F401
 from tests.integration.ft_training import assert_one_membership_per_quorum_id, train
-from tests.integration.lighthouse_helpers import wait_until
+from tests.integration.lighthouse_helpers import member_ids, wait_until
 from tests.integration.test_manager import assert_consistent
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.xdist_group("replicated-lighthouse")]
@@ -170,6 +174,51 @@ def test_a_leader_woken_after_its_lease_expired_forms_no_quorum(
     assert (error.details() or "").startswith(_rpc.NOT_LEADER_PREFIX)
     hint = dict(error.trailing_metadata() or ())
     assert hint.get(_rpc.LEADER_METADATA) == replicas.addresses[new]
+
+
+def test_a_leader_whose_renewal_is_confirmed_late_hands_over_and_serves_again(
+    etcd_cluster: LocalEtcdCluster,  # noqa: F811
+) -> None:
+    # The race the soak found: the server stops serving when the lease's
+    # margin runs out while a renewal is in flight; etcd then confirms the
+    # renewal, so the replica stays the leader in etcd and every follower
+    # and client keeps being sent back to a leader that answers nothing.
+    config = resolve_lighthouse_config(
+        bind="127.0.0.1:0",
+        min_replicas=1,
+        http_port=-1,
+        etcd=etcd_cluster.endpoint_arg,
+        job="late-renewal",
+    )
+    server = LighthouseServer(config=config)
+    client = LighthouseClient(server.address(), connect_timeout=10.0)
+    try:
+        replica = server._replica
+        assert replica is not None
+        wait_until(lambda: replica.verdict().ok, 30, "the only replica to lead")
+        assert member_ids(client.quorum("group", timedelta(seconds=30))) == ["group"]
+        real_keep_alive = replica._client.keep_alive
+        stepped_down_meanwhile: list[bool] = []
+
+        def late_keep_alive(lease_id: int, *, timeout: float | None = None) -> int:
+            ttl = real_keep_alive(lease_id, timeout=timeout)  # renewed in etcd in time
+            if not stepped_down_meanwhile:
+                # Confirmed only once the server's margin has run out.
+                deadline = time.monotonic() + 10.0
+                while server._leading and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                stepped_down_meanwhile.append(not server._leading)
+            return ttl
+
+        replica._client.keep_alive = late_keep_alive  # type: ignore[method-assign]
+        wait_until(lambda: bool(stepped_down_meanwhile), 30, "a renewal confirmed late")
+        assert stepped_down_meanwhile == [True], "the server never stopped serving"
+        # Served again (after an election), not sent back to itself forever.
+        wait_until(lambda: replica.verdict().ok and server._leading, 30, "leading again")
+        assert member_ids(client.quorum("group", timedelta(seconds=30))) == ["group"]
+    finally:
+        client.close()
+        server.shutdown()
 
 
 def test_training_goes_on_when_an_etcd_member_dies(

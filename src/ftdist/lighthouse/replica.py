@@ -172,6 +172,8 @@ class LighthouseReplica:
         self._leading_since: float | None = None
         self._last_error = ""
         self._pause_until = 0.0
+        # Set by resign() on another thread; the election thread acts on it.
+        self._resign_reason: str | None = None
         # Status, refreshed by the health thread.
         self._members: list[MemberStatus] = []
         self._replicas: list[dict[str, Any]] = []
@@ -219,6 +221,18 @@ class LighthouseReplica:
                 self._client.revoke(lease_id, timeout=_REVOKE_TIMEOUT_S)
             except EtcdError as exc:
                 logger.warning("Could not revoke the lease on stop (it expires by itself): %s", exc)
+
+    def resign(self, reason: str) -> None:
+        """Give up the leadership: the election thread revokes the lease
+        (freeing the leader key) and campaigns again, within a renewal period.
+
+        For a server that stopped serving as the leader: it must not stay
+        the leader in etcd, where every follower keeps pointing at it.
+        Thread-safe; ignored unless this replica leads.
+        """
+        with self._lock:
+            if self._is_leader:
+                self._resign_reason = reason
 
     def stop(self) -> None:
         """Hand over (:meth:`hand_over`), then join the threads and close the
@@ -335,6 +349,12 @@ class LighthouseReplica:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            with self._lock:
+                resign, self._resign_reason = self._resign_reason, None
+                resign = resign if self._is_leader else None
+            if resign is not None:
+                self._depose(resign)
+                continue
             now = self._clock()
             with self._lock:
                 lease = self._lease

@@ -432,6 +432,11 @@ class LighthouseServer:
         verdict = self._replica.verdict()
         if not verdict.ok:
             self._step_down(verdict.reason)
+            # A renewal still in flight may yet be confirmed, and the replica
+            # would stay the leader in etcd while this server no longer
+            # serves: every follower would point at it for good. It hands
+            # the leadership back instead; an election follows.
+            self._replica.resign(verdict.reason)
             return False
         return True
 
