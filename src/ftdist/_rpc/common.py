@@ -63,6 +63,8 @@ NOT_LEADER_PREFIX = "not the leader"
 _MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 # What a server takes in one request (one member's request, not a quorum).
 _MAX_REQUEST_BYTES = 4 * 1024 * 1024
+# A client's stream window: what gRPC's bandwidth probe grew it to.
+_CLIENT_WINDOW_BYTES = 4 * 1024 * 1024
 
 
 def grpc_target(address: str) -> str:
@@ -105,16 +107,17 @@ def client_channel_options() -> list[tuple[str, int]]:
     the connection. Bandwidth probing is off, as on the servers (see
     :func:`server_options`): gRPC's client otherwise answers data it receives
     with a PING the server must acknowledge (3 to 6 in 20 quorum calls of
-    1024 members), wake-ups the lighthouse pays for every group. The probe is also what gave the window its 4 MiB,
-    so the window is set to that outright: a quorum of a thousand groups
-    (67 KB) arrives without waiting for a WINDOW_UPDATE.
+    1024 members), wake-ups the lighthouse pays for every group. The probe
+    is also what gave the window its 4 MiB, so the window is set to that
+    outright: a quorum of a thousand groups (67 KB) arrives without waiting
+    for a WINDOW_UPDATE.
 
     Returns:
         gRPC channel options.
     """
     return [
         ("grpc.http2.bdp_probe", 0),
-        ("grpc.http2.lookahead_bytes", 4 << 20),
+        ("grpc.http2.lookahead_bytes", _CLIENT_WINDOW_BYTES),
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1_000),
