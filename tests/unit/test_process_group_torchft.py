@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 import uuid
@@ -33,6 +34,7 @@ from ftdist.process_group import (
     create_store_client,
     reconfigure_with_store,
 )
+from ftdist.process_group._baby_proc import child_stacks, start_child
 
 # torchft's test vectors: (address, host, port, prefix)
 STORE_ADDRS = [
@@ -299,15 +301,34 @@ def test_a_baby_child_that_never_answers_configure_names_the_configured_timeout(
         while pg._spares._spare is None and time.monotonic() < deadline:
             time.sleep(0.01)
         assert pg._spares._spare is not None
-        proc, conn = pg._spares._spare
+        proc, conn, _ = pg._spares._spare
         assert conn.poll(60)  # the child said "up"; the message stays queued
         os.kill(proc.pid, signal.SIGSTOP)
-        with pytest.raises(TimeoutError, match=r"timed out after 0\.05 seconds .*no answer"):
+        with pytest.raises(
+            TimeoutError, match=r"timed out after 0\.05 seconds .*no answer"
+        ) as info:
             pg.configure(_addr(store), 0, 2)
+        # A stopped child cannot write its stacks; the error says why there are none.
+        assert "where it was:\n(no stacks within 2 s: the child is stopped" in str(info.value)
         proc.join(10)
         assert proc.exitcode == -signal.SIGKILL
     finally:
         pg.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_baby_child_writes_its_stacks_when_asked() -> None:
+    child = start_child()
+    try:
+        assert child.conn.poll(60) and child.conn.recv() == ("up",)
+        for _ in range(2):  # once is not the end of it: a second dump comes whole too
+            dump = child_stacks(child.proc.pid, child.stacks)
+            assert dump.startswith("Current thread"), dump
+            # Where a spare waits: for its configure message, in child_main.
+            assert re.search(r'_baby_child\.py", line \d+ in child_main', dump), dump
+    finally:
+        child.discard()
+    assert child.proc.exitcode == -signal.SIGKILL
 
 
 def test_coalesced_collectives_need_one_output_per_input() -> None:

@@ -14,6 +14,7 @@ may not unpickle in the parent.
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import os
 import re
@@ -36,11 +37,26 @@ from ftdist.process_group.xccl import create_xccl_backend
 _BACKENDS = {"gloo": create_gloo_backend, "nccl": create_nccl_backend, "xccl": create_xccl_backend}
 
 
-def child_main(conn: Connection) -> None:
-    """Entry point of a Baby child; exits the process when done."""
+# The signal on which a child writes every thread's Python stack to its
+# stacks pipe: how a child that stopped answering explains itself. Not
+# SIGUSR1, which launchers and test harnesses take for their own dumps.
+STACKS_SIGNAL = signal.SIGUSR2
+
+
+def child_main(conn: Connection, stacks: Connection) -> None:
+    """Entry point of a Baby child; exits the process when done.
+
+    Args:
+        conn: the duplex pipe to the parent (configure, ops, replies).
+        stacks: the write end of a pipe the parent reads this process's
+            Python stacks from after sending :data:`STACKS_SIGNAL`.
+    """
     # Ctrl-C in a terminal reaches the whole process group; the parent
     # decides when its backend dies, not the keyboard.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # From the signal handler, in C: a child stuck in a backend's C++ code,
+    # GIL held or not, still answers.
+    faulthandler.register(STACKS_SIGNAL, file=stacks.fileno(), all_threads=True, chain=False)
     try:
         conn.send(("up",))
         msg = conn.recv()

@@ -29,14 +29,13 @@ import torch
 import torch.distributed as dist
 
 from ftdist._durations import as_timedelta
-from ftdist._forkserver import forkserver_context
 from ftdist.errors import (
     BackendProcessError,
     CollectiveTimeoutError,
     CommunicationError,
     ProcessGroupAbortedError,
 )
-from ftdist.process_group._baby_child import child_main
+from ftdist.process_group._baby_proc import SparePool, child_stacks
 from ftdist.process_group._pipe import MonitoredPipe
 from ftdist.process_group._shm import Exporter
 from ftdist.process_group.base import BACKEND_NAME, Post, ProcessGroup
@@ -157,9 +156,12 @@ CHILD_START_TIMEOUT = timedelta(seconds=60)
 class _Child:
     """The parent's handle on one configured child process."""
 
-    def __init__(self, proc: Any, conn: Connection, timeout: timedelta, label: str) -> None:
+    def __init__(
+        self, proc: Any, conn: Connection, stacks: Connection, timeout: timedelta, label: str
+    ) -> None:
         self.proc = proc
         self.conn = conn
+        self._stacks = stacks
         self.timeout = timeout
         self.label = label
         self.pipe = MonitoredPipe(conn)
@@ -176,6 +178,12 @@ class _Child:
 
     def describe(self) -> str:
         return f"{self.label} (child pid {self.proc.pid})"
+
+    def stacks(self) -> str:
+        """Every thread's Python stack in the child now, or why there is none."""
+        if self.exitcode() is not None:
+            return "(no stacks: the child has exited)"
+        return child_stacks(self.proc.pid, self._stacks)
 
     def exitcode(self) -> int | None:
         """The child's exit code (negative: killed by that signal), or None while it runs."""
@@ -218,7 +226,7 @@ class _Child:
             raise CollectiveTimeoutError(
                 f"{self.describe()}: configure timed out after "
                 f"{self.timeout.total_seconds()} seconds (the child gave no answer "
-                f"within {limit:g} s)"
+                f"within {limit:g} s); where it was:\n{self.stacks()}"
             )
         msg = self.conn.recv()
         if msg[0] != "ready":
@@ -262,7 +270,10 @@ class _Child:
         while True:
             try:
                 _, op_id, err, extra = self.conn.recv()
-            except (EOFError, OSError, ValueError):
+            except (EOFError, OSError, ValueError, TypeError):
+                # TypeError: the pipe was closed under this read, which kill()
+                # does only once the child is gone and this thread has had
+                # seconds to see EOF.
                 break
             with self._lock:
                 work = self.pending.pop(op_id, None)
@@ -291,65 +302,23 @@ class _Child:
         with self._proc_lock:
             if self.proc.exitcode is None:
                 self.proc.kill()
-        try:
-            self.conn.close()
-        except OSError:
-            pass
+        # The reader sees EOF once the child is gone. Closing the pipe first
+        # would pull the handle from under a reader blocked in recv(), which
+        # then fails with a TypeError instead of ending.
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(timeout=5)
         self.join(timeout=5)
+        for end in (self.conn, self._stacks):
+            try:
+                end.close()
+            except OSError:
+                pass
 
 
 def _flatten(obj: Any) -> list[Any]:
     if isinstance(obj, (list, tuple)):
         return [x for o in obj for x in _flatten(o)]
     return [obj]
-
-
-class _SparePool:
-    """One child process started ahead of need."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._spare: tuple[Any, Connection] | None = None
-        self._closed = False
-
-    @staticmethod
-    def _start() -> tuple[Any, Connection]:
-        ctx = forkserver_context()
-        parent_end, child_end = ctx.Pipe(duplex=True)
-        proc = ctx.Process(target=child_main, args=(child_end,), name="ftdist-baby", daemon=True)
-        proc.start()
-        child_end.close()
-        return proc, parent_end
-
-    def take(self) -> tuple[Any, Connection]:
-        """A started child: the warm spare if it is alive, else a new one."""
-        with self._lock:
-            spare, self._spare = self._spare, None
-        if spare is not None and spare[0].is_alive():
-            return spare
-        if spare is not None:
-            spare[1].close()
-        return self._start()
-
-    def refill(self) -> None:
-        """Start the next spare if none is waiting."""
-        with self._lock:
-            if self._spare is not None or self._closed:
-                return
-            self._spare = self._start()
-
-    def close(self) -> None:
-        """Kill the waiting spare; no more are started."""
-        with self._lock:
-            self._closed = True
-            spare, self._spare = self._spare, None
-        if spare is not None:
-            proc, conn = spare
-            conn.close()  # the spare exits on EOF; kill in case it is slow to see it
-            proc.kill()
-            proc.join(timeout=5)
 
 
 class ProcessGroupBaby(ProcessGroup):
@@ -379,7 +348,7 @@ class ProcessGroupBaby(ProcessGroup):
         self._timeout = as_timedelta(timeout, "timeout")
         self._child: _Child | None = None
         self._closed = False
-        self._spares = _SparePool()
+        self._spares = SparePool()
         self._error: Exception | None = None
         try:
             self._check_backend()
@@ -420,9 +389,9 @@ class ProcessGroupBaby(ProcessGroup):
 
     def _configure_child(self, store_addr: str, rank: int, world_size: int) -> None:
         self._set_topology(rank, world_size)
-        proc, conn = self._spares.take()
+        proc, conn, stacks = self._spares.take()
         child = _Child(
-            proc, conn, self._timeout, f"{self.getBackendName()} rank {rank}/{world_size}"
+            proc, conn, stacks, self._timeout, f"{self.getBackendName()} rank {rank}/{world_size}"
         )
         try:
             child.configure(self.BACKEND, store_addr, rank, world_size, self._device())
