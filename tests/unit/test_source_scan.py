@@ -40,7 +40,7 @@ CHANNELS = {"Pipe", "Listener", "Client"}
 # (path under src/ftdist, what was found) -> why it is safe.
 ALLOWED: dict[tuple[str, str], str] = {
     (
-        "process_group/baby.py",
+        "process_group/_baby_proc.py",
         "Pipe",
     ): "the pipe between a Baby process group and the child process it forks itself "
     "(a socketpair both ends of which belong to one user's processes on one host); "
