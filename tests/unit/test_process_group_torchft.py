@@ -328,7 +328,8 @@ def test_a_baby_child_writes_its_stacks_when_asked() -> None:
             assert re.search(r'_baby_child\.py", line \d+ in child_main', dump), dump
     finally:
         child.discard()
-    assert child.proc.exitcode == -signal.SIGKILL
+    # Gone either way: on EOF (it exits 0) or killed.
+    assert child.proc.exitcode in (0, -signal.SIGKILL)
 
 
 def test_coalesced_collectives_need_one_output_per_input() -> None:
