@@ -94,6 +94,7 @@ MiB = 1 << 20
 GiB = 1 << 30
 CTL_TIMEOUT = timedelta(seconds=120)
 _RAW = "raw TCP socket, touched buffer (ref.)"
+_RAW_LOCAL = "raw Unix socket, touched buffer (ref.)"
 Targets = list[tuple[str, bool, str]]
 
 
@@ -547,37 +548,47 @@ def transport_rank(
             if t.numel() != numel or float(t[-1]) != float(i):
                 raise RuntimeError(f"transfer delivered wrong data for layer{i}")
 
-    # Reference 1: raw TCP copy of the same bytes, into a buffer touched before.
-    if src:
-        assert state is not None
-        server = socket.create_server(("127.0.0.1", 0))
-        store.set("raw_port", str(server.getsockname()[1]))
-        conn, _ = server.accept()
-        with conn:
-            for _ in range(reps):
-                for t in state.values():
-                    conn.sendall(t.numpy().data.cast("B"))
-                conn.recv(1)
-        server.close()
-    else:
-        start = time.perf_counter()
-        buf = torch.empty(total, dtype=torch.uint8).fill_(0)
-        out["_touch_gbps"] = total / (time.perf_counter() - start) / GB
-        view = buf.numpy().data.cast("B")
-        raw = []
-        with socket.create_connection(("127.0.0.1", int(store.get("raw_port")))) as conn:
-            for _ in range(reps):
-                start = time.perf_counter()
-                got = 0
-                while got < total:
-                    n = conn.recv_into(view[got:], min(total - got, 16 * MiB))
-                    if not n:
-                        raise RuntimeError("raw stream ended early")
-                    got += n
-                raw.append({"bytes": total, "s": time.perf_counter() - start})
-                conn.sendall(b"x")
-        del view, buf
-        out[_RAW] = raw
+    # Reference 1: raw socket copies of the same bytes, into a buffer touched
+    # before: over TCP, and over a Unix socket (the route a heal from a peer
+    # on the same host takes).
+    for label, family in ((_RAW, socket.AF_INET), (_RAW_LOCAL, socket.AF_UNIX)):
+        name = f"\0ftdist-bench-{os.getpid()}" if family == socket.AF_UNIX else None
+        if src:
+            assert state is not None
+            server = socket.socket(family, socket.SOCK_STREAM)
+            server.bind(name or ("127.0.0.1", 0))
+            server.listen(1)
+            store.set(f"raw/{label}", name or str(server.getsockname()[1]))
+            conn, _ = server.accept()
+            with conn:
+                for _ in range(reps):
+                    for t in state.values():
+                        conn.sendall(t.numpy().data.cast("B"))
+                    conn.recv(1)
+            server.close()
+        else:
+            start = time.perf_counter()
+            buf = torch.empty(total, dtype=torch.uint8).fill_(0)
+            out["_touch_gbps"] = total / (time.perf_counter() - start) / GB
+            view = buf.numpy().data.cast("B")
+            raw = []
+            where = store.get(f"raw/{label}").decode()
+            conn = socket.socket(family, socket.SOCK_STREAM)
+            with conn:
+                conn.connect(where if family == socket.AF_UNIX else ("127.0.0.1", int(where)))
+                for _ in range(reps):
+                    start = time.perf_counter()
+                    got = 0
+                    while got < total:
+                        n = conn.recv_into(view[got:], min(total - got, 16 * MiB))
+                        if not n:
+                            raise RuntimeError("raw stream ended early")
+                        got += n
+                    raw.append({"bytes": total, "s": time.perf_counter() - start})
+                    conn.sendall(b"x")
+            del view, buf
+            out[label] = raw
+    if not src:
         # Reference 2: the checksums' speed (both sides sum every byte; the
         # CRC-32 they replaced, for comparison).
         from ftdist.checkpointing._checksum import WordSum
@@ -593,9 +604,15 @@ def transport_rank(
         out["_sum_gbps"] = data.numel() / (time.perf_counter() - start) / GB
         del data
 
-    http_rows = [(chunks, False) for chunks in chunk_rows] + [(0, True)]
-    for chunks, in_place in http_rows:
-        key = f"{chunks}/{in_place}"
+    # Each HTTP row over TCP (the receiver given only the address, as a peer
+    # on another host reaches it) and over the local socket (the metadata).
+    http_rows = [
+        (chunks, in_place, local)
+        for chunks, in_place in [(c, False) for c in chunk_rows] + [(0, True)]
+        for local in (False, True)
+    ]
+    for chunks, in_place, local in http_rows:
+        key = f"{chunks}/{in_place}/{local}"
         mine: dict[str, torch.Tensor] | None = None
         if in_place and not src:
             mine = {f"layer{i}": torch.zeros(numel) for i in range(n_tensors)}
@@ -608,7 +625,7 @@ def transport_rank(
         try:
             if src:
                 tr.send_checkpoint([1], 7, state, timeout)
-                store.set(f"url/{key}", tr.metadata())
+                store.set(f"url/{key}", tr.metadata() if local else tr.address())
                 _store_barrier(store, f"http_done/{key}")
                 tr.disallow_checkpoint()
             else:
@@ -619,10 +636,13 @@ def transport_rank(
                     stats = tr.last_transfer
                     assert stats is not None
                     rows.append({"bytes": stats.nbytes, "s": stats.seconds})
+                    if stats.route != ("local" if local else "tcp"):
+                        raise RuntimeError(f"{key}: the transfer went over {stats.route}")
                     check(got_sd)
                     del got_sd
                 label = f"HTTPTransport num_chunks={chunks}"
-                out[label + (", in place (state_dict=)" if in_place else "")] = rows
+                label += ", in place (state_dict=)" if in_place else ""
+                out[label + (", local socket" if local else ", TCP")] = rows
                 _store_barrier(store, f"http_done/{key}")
         finally:
             tr.shutdown()
@@ -1012,6 +1032,7 @@ def _replace_once(args: argparse.Namespace, stack: str = "ftdist") -> dict[str, 
         "preloaded": new["preloaded"],
         "send_s": sent[0]["transfer_s"] if sent else None,
         "stream_s": new["stream_s"],
+        "route": h.get("route", ""),
     }
 
 
@@ -1071,7 +1092,7 @@ def part_replace(args: argparse.Namespace, targets: Targets) -> None:
     streams = [r for r in runs if r["stream_s"]]
     if streams:
         print(
-            f"    {'  of which recv_checkpoint (HTTP stream): ms':<58} "
+            f"    {'  of which recv_checkpoint (HTTP stream, over ' + streams[0]['route'] + '): ms':<58} "
             + " ".join(f"{r['stream_s'] * 1e3:>8.1f}" for r in streams)
         )
         print(
@@ -1184,20 +1205,24 @@ def part_transport(args: argparse.Namespace, targets: Targets) -> None:
         outcomes = ranks.join(timeout=600)
     _fail(outcomes, "(d)")
     res = outcomes[1].value
-    print(f"    {'transport':<40} {'median GB/s':>11} {'min':>6} {'max':>6} {'median s':>9}")
+    print(f"    {'transport':<62} {'median GB/s':>11} {'min':>6} {'max':>6} {'median s':>9}")
     for label, rows in res.items():
         if label.startswith("_"):
             continue
         rates = [r["bytes"] / r["s"] / GB for r in rows]
         med = statistics.median(rates)
         secs = statistics.median(r["s"] for r in rows)
-        print(f"    {label:<40} {med:>11.2f} {min(rates):>6.2f} {max(rates):>6.2f} {secs:>9.3f}")
+        print(f"    {label:<62} {med:>11.2f} {min(rates):>6.2f} {max(rates):>6.2f} {secs:>9.3f}")
         if not label.startswith("raw"):
             targets.append((f"(d) {label} >= 2 GB/s (median)", med >= 2.0, f"{med:.2f} GB/s"))
-    raw = statistics.median(r["bytes"] / r["s"] / GB for r in res[_RAW])
-    for label in ("HTTPTransport num_chunks=0", "PGTransport (ProcessGroupGloo)"):
+    for label, ref in (
+        ("HTTPTransport num_chunks=0, TCP", _RAW),
+        ("HTTPTransport num_chunks=0, local socket", _RAW_LOCAL),
+        ("PGTransport (ProcessGroupGloo)", _RAW),
+    ):
+        raw = statistics.median(r["bytes"] / r["s"] / GB for r in res[ref])
         med = statistics.median(r["bytes"] / r["s"] / GB for r in res[label])
-        print(f"    {label}: {med / raw:.2f}x the raw socket copy of the same bytes")
+        print(f"    {label}: {med / raw:.2f}x the {ref.split(',')[0]} copy of the same bytes")
     print(
         f"    this machine: zlib.crc32 {res['_crc_gbps']:.2f} GB/s, the word sums that replaced it "
         f"{res['_sum_gbps']:.2f} GB/s; allocating + first touch of fresh memory "

@@ -81,28 +81,82 @@ def transports() -> Iterator[tuple[HTTPTransport[State], HTTPTransport[State]]]:
     dst.shutdown()
 
 
+# How a receiver reaches its source: the metadata it is given, and the route
+# the bytes must then take.
+ROUTES = ["local", "tcp", "elsewhere"]
+
+
+def _metadata(src: HTTPTransport[Any], route: str) -> str:
+    if route == "local":  # the source's own metadata: it is on this host
+        return src.metadata()
+    if route == "elsewhere":  # a source on another host: its local socket is not here
+        return f"{src.address()}#local=ftdist-checkpoint-{'0' * 32}"
+    return src.address()  # no local socket named: TCP
+
+
+def _check_route(dst: HTTPTransport[Any], route: str) -> None:
+    assert dst.last_transfer is not None
+    assert dst.last_transfer.route == ("local" if route == "local" else "tcp")
+
+
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("route", ROUTES)
 def test_http_round_trip_is_exact(
-    transports: tuple[HTTPTransport[State], HTTPTransport[State]],
+    transports: tuple[HTTPTransport[State], HTTPTransport[State]], route: str
 ) -> None:
     src, dst = transports
     state = _state()
     src.send_checkpoint([1], step=7, state_dict=state, timeout=TIMEOUT)
-    got = dst.recv_checkpoint(0, src.metadata(), step=7, timeout=TIMEOUT)
+    got = dst.recv_checkpoint(0, _metadata(src, route), step=7, timeout=TIMEOUT)
     _assert_same(state, got)
     assert got["model"]["w_t"].stride() == (1, 33)  # a transposed tensor arrives transposed
     assert dst.last_transfer is not None and dst.last_transfer.nbytes > 64 * 33 * 4
+    _check_route(dst, route)
     src.disallow_checkpoint()
 
 
 @pytest.mark.timeout(30)
-def test_http_chunks_in_parallel() -> None:
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_http_without_the_local_socket_serves_over_tcp_alone(
+    monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    if how == "environment":
+        monkeypatch.setenv("FTDIST_CHECKPOINT_LOCAL_SOCKET", "0")
+    src = HTTPTransport[State](
+        TIMEOUT, hostname="127.0.0.1", local_socket=False if how == "argument" else None
+    )
+    dst = HTTPTransport[State](TIMEOUT, hostname="127.0.0.1")
+    try:
+        assert src.metadata() == src.address()
+        state = _state(2)
+        src.send_checkpoint([1], 5, state, TIMEOUT)
+        _assert_same(state, dst.recv_checkpoint(0, src.metadata(), 5, TIMEOUT))
+        _check_route(dst, "tcp")
+    finally:
+        src.shutdown()
+        dst.shutdown()
+
+
+def test_a_bad_local_socket_setting_fails_before_any_server_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("FTDIST_CHECKPOINT_LOCAL_SOCKET", "sometimes")
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(ValueError, match="FTDIST_CHECKPOINT_LOCAL_SOCKET='sometimes'"):
+        HTTPTransport[State](TIMEOUT, hostname="127.0.0.1")
+    assert not {t.name for t in threading.enumerate()} - before
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("route", ROUTES)
+def test_http_chunks_in_parallel(route: str) -> None:
     src = HTTPTransport[State](TIMEOUT, num_chunks=3, hostname="::1")
     dst = HTTPTransport[State](TIMEOUT, num_chunks=3, hostname="::1")
     try:
         state = _state(1)
         src.send_checkpoint([1], 3, state, TIMEOUT)
-        _assert_same(state, dst.recv_checkpoint(0, src.metadata(), 3, TIMEOUT))
+        _assert_same(state, dst.recv_checkpoint(0, _metadata(src, route), 3, TIMEOUT))
+        _check_route(dst, route)
         # What the Manager sets for a replica that never committed: every
         # chunk lands in the receiver's own matching tensors.
         mine = {"model": {"w": torch.zeros(64, 33), "b": torch.zeros(33, dtype=torch.bfloat16)}}
@@ -127,7 +181,8 @@ def test_torchft_checkpoint_server(num_chunks: int) -> None:
     try:
         expected = {"state": "dict", "tensor": torch.rand(5, 2), "cuda": torch.rand(2, 3)}
         server.send_checkpoint(dst_ranks=[], step=1234, state_dict=expected, timeout=TIMEOUT)
-        assert server.address() == server.metadata()
+        # The address, and the name of the local socket that a peer on this host uses.
+        assert server.metadata().startswith(server.address() + "#local=ftdist-checkpoint-")
         out = server.recv_checkpoint(
             src_rank=0, metadata=server.metadata(), step=1234, timeout=TIMEOUT
         )
@@ -199,7 +254,7 @@ def test_http_a_newer_step_waits_for_the_source_to_publish_it(
         target=lambda: result.update(got=dst.recv_checkpoint(0, src.metadata(), 6, TIMEOUT))
     )
     fetch.start()  # the peer asks for step 6 while step 5 is still served
-    while src._checkpoint_lock.readers == 0 and not src._server._server.active:
+    while src._checkpoint_lock.readers == 0 and not src._server._shared.active:
         time.sleep(0.001)
     src.disallow_checkpoint()
     src.send_checkpoint([1], 6, _state(6), TIMEOUT)
@@ -337,7 +392,10 @@ def test_a_slow_reader_cannot_hold_disallow_past_its_timeout() -> None:
 
 
 @pytest.mark.timeout(30)
-def test_the_job_token_gates_checkpoint_fetches(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("route", ROUTES[:2])
+def test_the_job_token_gates_checkpoint_fetches(
+    monkeypatch: pytest.MonkeyPatch, route: str
+) -> None:
     src = HTTPTransport[State](TIMEOUT, hostname="127.0.0.1", token="s3cret")
     open_client = HTTPTransport[State](TIMEOUT, hostname="127.0.0.1")
     wrong = HTTPTransport[State](TIMEOUT, hostname="127.0.0.1", token="guess")
@@ -348,12 +406,13 @@ def test_the_job_token_gates_checkpoint_fetches(monkeypatch: pytest.MonkeyPatch)
         src.send_checkpoint([1], 3, state, TIMEOUT)
         for client in (open_client, wrong):
             with pytest.raises(CheckpointHTTPError, match=r"401.*job token") as refused:
-                client.recv_checkpoint(0, src.metadata(), 3, TIMEOUT)
+                client.recv_checkpoint(0, _metadata(src, route), 3, TIMEOUT)
             assert refused.value.code == 401 and _auth.ENV_TOKEN in str(refused.value)
-        _assert_same(state, from_env.recv_checkpoint(0, src.metadata(), 3, TIMEOUT))
+        _assert_same(state, from_env.recv_checkpoint(0, _metadata(src, route), 3, TIMEOUT))
+        _check_route(from_env, route)
         # A wrong token learns nothing, not even whether the step is right.
         with pytest.raises(CheckpointHTTPError, match="401"):
-            wrong.recv_checkpoint(0, src.metadata(), 4, TIMEOUT)
+            wrong.recv_checkpoint(0, _metadata(src, route), 4, TIMEOUT)
     finally:
         for t in (src, open_client, wrong, from_env):
             t.shutdown()

@@ -20,7 +20,10 @@ def test_replicas_train_in_lockstep_and_end_bit_identical(lh: Lighthouses, group
     assert_consistent(results, 8, complete=True)
     # init_sync: whichever replica was not the primary healed from it, at
     # step 0, so straight into its own tensors (nothing committed was there).
-    assert any(h["role"] == "receive" for r in results for h in r["heals"])
+    received = [h for r in results for h in r["heals"] if h["role"] == "receive"]
+    assert received
+    # Both replica groups run on this host: the heal went over the source's local socket.
+    assert {h["route"] for h in received} == {"local"}, received
     assert [load for r in results for load in r["loads"]] == [(True, True)] * group_size
 
 

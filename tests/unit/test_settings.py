@@ -24,6 +24,7 @@ READERS = {
     "launch/config.py": "the launcher's settings",
     "process_group/config.py": "the process groups' settings",
     "local_sgd/config.py": "LocalSGD's settings",
+    "checkpointing/config.py": "the checkpoint transports' settings",
     "coordinator/config.py": "the coordinator's settings",
     "_auth.py": "the job token and TLS files (read in one place for every server)",
     "_advertise.py": "the advertised address (read in one place for every server)",

@@ -18,6 +18,12 @@ whatever a client sends, and no client can hold it hostage:
   reader past its deadline.
 
 The transport decides what a well-formed, authorised request gets.
+
+On Linux the server also listens on an abstract Unix socket with a random
+name (:attr:`CheckpointServer.local_name`): a peer on the same host (in the
+same network namespace) that knows the name fetches over it, which costs
+both sides about 40% less CPU per byte than TCP over loopback. Both
+listeners share the same handler, limits and token.
 """
 
 from __future__ import annotations
@@ -26,8 +32,11 @@ import io
 import logging
 import re
 import socket
+import socketserver
+import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
@@ -90,7 +99,7 @@ def parse_path(path: str) -> tuple[int, str]:
 class Request(BaseHTTPRequestHandler):
     """One connection: reads a bounded request head, checks it, hands it on."""
 
-    server: _Server
+    server: _TCPServer | _LocalServer
     protocol_version = "HTTP/1.0"
     aborted = False
     streaming = False
@@ -99,17 +108,19 @@ class Request(BaseHTTPRequestHandler):
     def setup(self) -> None:
         """Set the socket options and register the connection."""
         super().setup()
-        # The stream starts with small writes (HTTP headers, stream prefix);
-        # with Nagle on, each waits for the peer's delayed ACK.
-        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.connection.settimeout(self.server.timeout_s)
-        with self.server.lock:
-            self.server.active.add(self)
+        self.shared = self.server.shared
+        if self.connection.family != socket.AF_UNIX:
+            # The stream starts with small writes (HTTP headers, stream
+            # prefix); with Nagle on, each waits for the peer's delayed ACK.
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.connection.settimeout(self.shared.timeout_s)
+        with self.shared.lock:
+            self.shared.active.add(self)
 
     def finish(self) -> None:
         """Unregister the connection."""
-        with self.server.lock:
-            self.server.active.discard(self)
+        with self.shared.lock:
+            self.shared.active.discard(self)
         try:
             super().finish()
         except OSError:
@@ -123,12 +134,18 @@ class Request(BaseHTTPRequestHandler):
         except OSError:
             pass
 
+    def address_string(self) -> str:
+        """The peer's address; a Unix socket's peer has none."""
+        if isinstance(self.client_address, tuple) and self.client_address:
+            return str(self.client_address[0])
+        return "a peer on this host"
+
     def log_message(self, format: str, *args: Any) -> None:
         """Requests go to the debug log, not stderr."""
         logger.debug("checkpoint server %s: " + format, self.address_string(), *args)
 
     def _read_head(self) -> bytes | None:
-        limit = min(self.server.timeout_s, HEAD_SECONDS)
+        limit = min(self.shared.timeout_s, HEAD_SECONDS)
         deadline = time.monotonic() + limit
         head = bytearray()
         while b"\r\n\r\n" not in head and b"\n\n" not in head:
@@ -144,7 +161,7 @@ class Request(BaseHTTPRequestHandler):
             if not piece:
                 return None
             head += piece
-        self.connection.settimeout(self.server.timeout_s)
+        self.connection.settimeout(self.shared.timeout_s)
         return bytes(head)
 
     def handle(self) -> None:
@@ -171,7 +188,7 @@ class Request(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # the name BaseHTTPRequestHandler dispatches to
         """Authorise and parse the request, then let the transport answer it."""
-        if not _auth.token_matches(self.headers.get("Authorization"), self.server.token):
+        if not _auth.token_matches(self.headers.get("Authorization"), self.shared.token):
             self.reply(
                 401,
                 "the checkpoint server needs the job token: send 'Authorization: Bearer <token>' "
@@ -185,7 +202,7 @@ class Request(BaseHTTPRequestHandler):
             self.reply(exc.status, exc.message)
             return
         try:
-            self.server.answer(self, step, key)
+            self.shared.answer(self, step, key)
         except OSError as exc:
             logger.warning(
                 "checkpoint transfer of step %d to %s stopped: %s",
@@ -218,14 +235,11 @@ class Request(BaseHTTPRequestHandler):
         self.close_connection = True
 
 
-class _Server(DualStackHTTPServer):
-    daemon_threads = True
+class _Shared:
+    """What the TCP and the local listener share: the handler, limits and token."""
 
     def __init__(
-        self,
-        answer: Callable[[Request, int, str], None],
-        timeout_s: float,
-        token: str | None,
+        self, answer: Callable[[Request, int, str], None], timeout_s: float, token: str | None
     ) -> None:
         self.answer = answer
         self.timeout_s = timeout_s
@@ -233,11 +247,16 @@ class _Server(DualStackHTTPServer):
         self.lock = threading.Lock()
         self.active: set[Request] = set()
         self.threads: set[threading.Thread] = set()
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        super().__init__(("::", 0), Request)
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+
+class _Listening:
+    """One thread per request, at most :data:`MAX_CONNECTIONS` at once over both listeners."""
+
+    shared: _Shared
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
+        if not self.shared.slots.acquire(blocking=False):
             message = f"the checkpoint server is busy ({MAX_CONNECTIONS} requests in flight)"
             try:
                 request.settimeout(1.0)
@@ -248,7 +267,7 @@ class _Server(DualStackHTTPServer):
                 )
             except OSError:
                 pass
-            self.shutdown_request(request)
+            self.shutdown_request(request)  # type: ignore[attr-defined]
             return
         thread = threading.Thread(
             target=self._run,
@@ -256,46 +275,93 @@ class _Server(DualStackHTTPServer):
             name="ftdist-ckpt-request",
             daemon=True,
         )
-        with self.lock:
-            self.threads.add(thread)
+        with self.shared.lock:
+            self.shared.threads.add(thread)
         thread.start()
 
     def _run(self, request: Any, client_address: Any) -> None:
         try:
-            self.finish_request(request, client_address)
+            self.finish_request(request, client_address)  # type: ignore[attr-defined]
         except Exception:  # one bad request must not take the server down
             logger.exception("checkpoint server: request from %s failed", client_address)
         finally:
-            self.shutdown_request(request)
-            self._slots.release()
-            with self.lock:
-                self.threads.discard(threading.current_thread())
+            self.shutdown_request(request)  # type: ignore[attr-defined]
+            self.shared.slots.release()
+            with self.shared.lock:
+                self.shared.threads.discard(threading.current_thread())
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         logger.debug("checkpoint server: error with %s", client_address, exc_info=True)
 
 
+class _TCPServer(_Listening, DualStackHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, shared: _Shared) -> None:
+        self.shared = shared
+        super().__init__(("::", 0), Request)
+
+
+class _LocalServer(_Listening, socketserver.UnixStreamServer):
+    """The listener on an abstract Unix socket (Linux): no file, gone with the socket."""
+
+    daemon_threads = True
+    request_queue_size = 1024
+
+    def __init__(self, shared: _Shared, name: str) -> None:
+        self.shared = shared
+        super().__init__("\0" + name, Request)
+
+
+def _listen_locally(shared: _Shared) -> tuple[_LocalServer | None, str | None]:
+    """The local listener and its name, or (None, None) where there is none."""
+    if not sys.platform.startswith("linux"):
+        return None, None  # abstract Unix sockets are Linux's
+    name = f"ftdist-checkpoint-{uuid.uuid4().hex}"
+    try:
+        return _LocalServer(shared, name), name
+    except OSError as exc:  # a sandbox without Unix sockets: TCP alone serves
+        logger.debug("checkpoint server: no local socket (%s); peers use TCP", exc)
+        return None, None
+
+
 class CheckpointServer:
-    """The HTTP server of one transport, on a thread of its own.
+    """The HTTP server of one transport, each listener on a thread of its own.
 
     Args:
         answer: called as ``answer(request, step, key)`` for every
             well-formed, authorised request.
         timeout_s: socket timeout of each connection.
         token: the job token, or None to accept anyone.
+        local: also listen on an abstract Unix socket (Linux) for peers on
+            this host.
+
+    Raises:
+        OSError: no TCP port can be bound.
     """
 
     def __init__(
-        self, answer: Callable[[Request, int, str], None], timeout_s: float, token: str | None
+        self,
+        answer: Callable[[Request, int, str], None],
+        timeout_s: float,
+        token: str | None,
+        local: bool = True,
     ) -> None:
-        self._server = _Server(answer, timeout_s, token)
-        self._thread = threading.Thread(
-            target=self._server.serve_forever,
-            kwargs={"poll_interval": 0.1},
-            name="ftdist-http-transport",
-            daemon=True,
-        )
-        self._thread.start()
+        self._shared = _Shared(answer, timeout_s, token)
+        self._server = _TCPServer(self._shared)
+        self._local, self.local_name = _listen_locally(self._shared) if local else (None, None)
+        self._threads = [
+            threading.Thread(
+                target=server.serve_forever,
+                kwargs={"poll_interval": 0.1},
+                name=f"ftdist-http-transport{suffix}",
+                daemon=True,
+            )
+            for server, suffix in ((self._server, ""), (self._local, "-local"))
+            if server is not None
+        ]
+        for thread in self._threads:
+            thread.start()
 
     @property
     def port(self) -> int:
@@ -304,8 +370,8 @@ class CheckpointServer:
 
     def streaming(self) -> list[Request]:
         """Requests now writing a checkpoint."""
-        with self._server.lock:
-            return [r for r in self._server.active if r.streaming]
+        with self._shared.lock:
+            return [r for r in self._shared.active if r.streaming]
 
     def abort_transfers(self) -> int:
         """Cut off every transfer in flight; returns how many there were."""
@@ -316,14 +382,15 @@ class CheckpointServer:
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop serving, cut off every connection, and (with ``wait``) join the threads."""
-        self._server.shutdown()
-        self._server.server_close()
-        with self._server.lock:
-            active = list(self._server.active)
-            threads = list(self._server.threads)
+        for server in (self._local, self._server):
+            if server is not None:
+                server.shutdown()
+                server.server_close()
+        with self._shared.lock:
+            active = list(self._shared.active)
+            threads = list(self._shared.threads)
         for request in active:
             request.abort()
         if wait:  # (without, the threads end on their own within the socket timeout)
-            self._thread.join(timeout=10)
-            for thread in threads:
+            for thread in [*self._threads, *threads]:
                 thread.join(timeout=10)

@@ -46,7 +46,7 @@ import torch
 
 from ftdist import _auth
 from ftdist._advertise import advertised_host, log_advertised
-from ftdist.checkpointing import _wire
+from ftdist.checkpointing import _wire, config
 from ftdist.checkpointing._codec import LeafMeta
 from ftdist.checkpointing._http_server import CheckpointServer, Request
 from ftdist.checkpointing._rwlock import LockClosedError, RWLock
@@ -104,6 +104,58 @@ def _default_device(meta: LeafMeta) -> torch.device:
     return torch.device("cpu")
 
 
+# Where metadata names a source's local socket: ``<address>#local=<name>``.
+_LOCAL = "local="
+
+
+class _LocalConnection(http.client.HTTPConnection):
+    """HTTP over a source's abstract Unix socket (a peer on the same host)."""
+
+    def __init__(self, name: str, host: str, port: int | None, timeout: float) -> None:
+        super().__init__(host, port, timeout=timeout)
+        self._name = name
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.timeout)
+            sock.connect("\0" + self._name)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def _connect(
+    host: str, port: int | None, local: str | None, timeout: float
+) -> http.client.HTTPConnection:
+    """A connection to the source: over its local socket if it is on this host, else TCP.
+
+    Raises:
+        OSError: the source cannot be reached.
+    """
+    if local is not None and hasattr(socket, "AF_UNIX"):
+        conn: http.client.HTTPConnection = _LocalConnection(local, host, port, timeout)
+        try:
+            conn.connect()
+            return conn
+        except (ConnectionRefusedError, FileNotFoundError):
+            # No such socket in this network namespace: the source is elsewhere.
+            conn.close()
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.connect()
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _route(conn: http.client.HTTPConnection) -> str:
+    return "local" if isinstance(conn, _LocalConnection) else "tcp"
+
+
 class HTTPTransport(CheckpointTransport[T]):
     """Serves the live state dict over HTTP and fetches peers' states.
 
@@ -129,10 +181,15 @@ class HTTPTransport(CheckpointTransport[T]):
             overwritten in place where they match (no fresh memory to fault
             in, about 1.3x the speed). A fetch that fails half-way leaves
             them half overwritten.
+        local_socket: also serve peers on this host over an abstract Unix
+            socket (Linux), named in :meth:`metadata`; they fetch over it,
+            for about 40% less CPU per byte than TCP over loopback. Default:
+            ``FTDIST_CHECKPOINT_LOCAL_SOCKET`` (``1``/``0``), else on.
 
     Raises:
-        ValueError: ``num_chunks`` is negative, the token is malformed, or
-            ``FTDIST_ADVERTISE_IFNAME`` names no interface with an address.
+        ValueError: ``num_chunks`` is negative, the token is malformed,
+            ``FTDIST_ADVERTISE_IFNAME`` names no interface with an address,
+            or ``FTDIST_CHECKPOINT_LOCAL_SOCKET`` is not 1 or 0.
         TypeError: ``timeout`` is not a timedelta.
         OSError: the token file cannot be read.
     """
@@ -144,11 +201,13 @@ class HTTPTransport(CheckpointTransport[T]):
         hostname: str | None = None,
         token: str | None = None,
         state_dict: Callable[[], object] | None = None,
+        local_socket: bool | None = None,
     ) -> None:
         if not isinstance(timeout, timedelta):
             raise TypeError(f"timeout must be a datetime.timedelta, got {timeout!r}")
         if not isinstance(num_chunks, int) or num_chunks < 0:
             raise ValueError(f"num_chunks must be an int >= 0, got {num_chunks!r}")
+        local = config.local_socket(local_socket)
         self._timeout = timeout
         self._num_chunks = num_chunks
         self._receive_into = state_dict
@@ -165,8 +224,13 @@ class HTTPTransport(CheckpointTransport[T]):
         self._closed = False
         self.last_transfer: TransferStats | None = None
         self.disallow_checkpoint()  # nothing is served before send_checkpoint
-        self._server = CheckpointServer(self._answer, timeout.total_seconds(), self._token)
+        self._server = CheckpointServer(self._answer, timeout.total_seconds(), self._token, local)
         log_advertised("the checkpoint server", self._hostname, self._server.port)
+        if self._server.local_name is not None:
+            logger.info(
+                "the checkpoint server also serves peers on this host at local socket %s",
+                self._server.local_name,
+            )
 
     # -- serving -------------------------------------------------------------
     def _answer(self, req: Request, step: int, key: str) -> None:
@@ -254,8 +318,14 @@ class HTTPTransport(CheckpointTransport[T]):
         return f"http://{host}:{self._server.port}/checkpoint/"
 
     def metadata(self) -> str:
-        """What peers pass to :meth:`recv_checkpoint`: :meth:`address`."""
-        return self.address()
+        """What peers pass to :meth:`recv_checkpoint`.
+
+        :meth:`address`, and where this server also listens on a local
+        socket, its name after ``#local=``: a peer on this host fetches over
+        it, any other over TCP.
+        """
+        name = self._server.local_name
+        return self.address() if name is None else f"{self.address()}#{_LOCAL}{name}"
 
     def allow_checkpoint(self, step: int) -> None:
         """Serve the published state as step ``step`` (idempotent)."""
@@ -322,19 +392,19 @@ class HTTPTransport(CheckpointTransport[T]):
     def _fetch(
         self,
         url: str,
+        local: str | None,
         step: int,
         timeout: timedelta,
         own: object,
         progress: TransferProgress | None = None,
-    ) -> tuple[_wire.Header, dict[int, torch.Tensor], int]:
+    ) -> tuple[_wire.Header, dict[int, torch.Tensor], int, str]:
         cpu = torch.device("cpu")
         parts = urlsplit(url)
         seconds = timeout.total_seconds()
-        conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=seconds)
         headers = {} if self._token is None else {"Authorization": _auth.bearer(self._token)}
+        conn: http.client.HTTPConnection | None = None
         try:
-            conn.connect()
-            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _connect(parts.hostname or "", parts.port, local, seconds)
             conn.request("GET", parts.path, headers=headers)
             resp = conn.getresponse()
             if resp.status != 200:
@@ -351,7 +421,7 @@ class HTTPTransport(CheckpointTransport[T]):
                 targets=lambda header: in_place_targets(own, header, cpu),
                 progress=progress.add if progress is not None else None,
             )
-            return header, tensors, reader.total
+            return header, tensors, reader.total, _route(conn)
         except CheckpointError:
             raise
         except TimeoutError as exc:
@@ -361,7 +431,8 @@ class HTTPTransport(CheckpointTransport[T]):
         except http.client.HTTPException as exc:
             raise CheckpointURLError(f"fetching {url} failed: {exc!r}") from exc
         finally:
-            conn.close()
+            if conn is not None:
+                conn.close()
 
     def recv_checkpoint(
         self, src_rank: int, metadata: str, step: int, timeout: timedelta | None = None
@@ -377,17 +448,21 @@ class HTTPTransport(CheckpointTransport[T]):
         """
         timeout = self._timeout if timeout is None else timeout
         start = time.perf_counter()
-        base = f"{metadata}{step}"
+        address, _, hint = metadata.partition("#")
+        local = hint[len(_LOCAL) :] if hint.startswith(_LOCAL) else None
+        base = f"{address}{step}"
         tracker = TransferProgress(self.progress) if self.progress is not None else None
         # Asked once, for every chunk: a user's state_dict() may be costly.
         own = own_state(self._receive_into, self.receive_into)
         if self._num_chunks <= 1:
-            header, tensors, nbytes = self._fetch(f"{base}/full", step, timeout, own, tracker)
+            header, tensors, nbytes, route = self._fetch(
+                f"{base}/full", local, step, timeout, own, tracker
+            )
         else:
             with ThreadPoolExecutor(self._num_chunks, thread_name_prefix="ftdist-fetch") as pool:
                 parts = list(
                     pool.map(
-                        lambda i: self._fetch(f"{base}/{i}", step, timeout, own, tracker),
+                        lambda i: self._fetch(f"{base}/{i}", local, step, timeout, own, tracker),
                         range(self._num_chunks),
                     )
                 )
@@ -396,8 +471,9 @@ class HTTPTransport(CheckpointTransport[T]):
                 _wire.same_state(header, part[0], metadata)
             tensors = {k: v for part in parts for k, v in part[1].items()}
             nbytes = sum(part[2] for part in parts)
+            route = "+".join(sorted({part[3] for part in parts}))
         state = cast(T, _wire.assemble(header, tensors))
-        self.last_transfer = TransferStats(nbytes, time.perf_counter() - start)
+        self.last_transfer = TransferStats(nbytes, time.perf_counter() - start, route)
         return state
 
     def shutdown(self, wait: bool = True) -> None:

@@ -19,10 +19,13 @@ class TransferStats:
     Attributes:
         nbytes: bytes that crossed the wire.
         seconds: wall time of the transfer.
+        route: how they travelled: ``"tcp"``, ``"local"`` (a Unix socket:
+            the source is on this host), or ``"process group"``.
     """
 
     nbytes: int
     seconds: float
+    route: str = "process group"
 
     @property
     def gbps(self) -> float:

@@ -81,6 +81,8 @@ class HealTimeline:
         transfer_bytes: state bytes moved.
         transfer_s: time moving them.
         load_s: applying the received state (receive only).
+        route: how the bytes travelled (receive only; see
+            :attr:`~ftdist.checkpointing.TransferStats.route`), "" if unknown.
     """
 
     step: int
@@ -92,6 +94,7 @@ class HealTimeline:
     transfer_bytes: int = 0
     transfer_s: float = 0.0
     load_s: float = 0.0
+    route: str = ""
 
     @property
     def total_s(self) -> float:
@@ -124,7 +127,8 @@ class HealTimeline:
         return (
             f"{verb} replica rank(s) {self.peers} at step {self.step} (quorum "
             f"{self.quorum_id}): quorum {self.quorum_s * 1e3:.0f} ms, reconfigure "
-            f"{self.reconfigure_s * 1e3:.0f} ms, transfer {self.transfer_bytes / 1e6:.1f} MB in "
+            f"{self.reconfigure_s * 1e3:.0f} ms, transfer {self.transfer_bytes / 1e6:.1f} MB"
+            f"{f' over {self.route}' if self.route else ''} in "
             f"{self.transfer_s * 1e3:.0f} ms ({self.transfer_gbps:.2f} GB/s), load "
             f"{self.load_s * 1e3:.0f} ms"
         )
@@ -142,6 +146,7 @@ class HealTimeline:
             "transfer_s": self.transfer_s,
             "load_s": self.load_s,
             "total_s": self.total_s,
+            "route": self.route,
         }
 
 
@@ -240,6 +245,11 @@ def manager_counters(state: dict[str, Any]) -> dict[str, int]:
 def _transfer_bytes(transport: CheckpointTransport[Any]) -> int:
     stats = transport.last_transfer
     return stats.nbytes if stats is not None else 0
+
+
+def _route(transport: CheckpointTransport[Any]) -> str:
+    stats = transport.last_transfer
+    return stats.route if stats is not None else ""
 
 
 class Healer:
@@ -341,6 +351,7 @@ class Healer:
             raise
         timeline.transfer_s = time.perf_counter() - start
         timeline.transfer_bytes = _transfer_bytes(self.transport)
+        timeline.route = _route(self.transport)
         self.tell(timeline, "load")
         if not isinstance(state, dict):
             raise TypeError(f"the heal source sent a {type(state).__name__}, not a state dict")
