@@ -184,6 +184,9 @@ class HealEvent(_Event):
         transfer_s: time moving them.
         load_s: applying the received state.
         total_s: the sum of the phases.
+        route: how the bytes travelled (``"tcp"``, ``"local"``, ``"process
+            group"``; "" when not received, or in a log written before it was
+            recorded).
     """
 
     kind: ClassVar[str] = "heal"
@@ -197,6 +200,7 @@ class HealEvent(_Event):
     transfer_s: float
     load_s: float
     total_s: float
+    route: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
