@@ -91,6 +91,8 @@ def _metadata(src: HTTPTransport[Any], route: str) -> str:
         return src.metadata()
     if route == "elsewhere":  # a source on another host: its local socket is not here
         return f"{src.address()}#local=ftdist-checkpoint-{'0' * 32}"
+    if route == "unusable":  # a local socket this host cannot connect to (name too long)
+        return f"{src.address()}#local={'x' * 200}"
     return src.address()  # no local socket named: TCP
 
 
@@ -100,7 +102,7 @@ def _check_route(dst: HTTPTransport[Any], route: str) -> None:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("route", [*ROUTES, "unusable"])
 def test_http_round_trip_is_exact(
     transports: tuple[HTTPTransport[State], HTTPTransport[State]], route: str
 ) -> None:

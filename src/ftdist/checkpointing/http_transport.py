@@ -139,9 +139,16 @@ def _connect(
         try:
             conn.connect()
             return conn
-        except (ConnectionRefusedError, FileNotFoundError):
-            # No such socket in this network namespace: the source is elsewhere.
+        except TimeoutError:
             conn.close()
+            raise  # the source is here but busy: TCP would wait on the same server
+        except OSError as exc:
+            # Refused: no such socket in this network namespace, the source is
+            # elsewhere. Anything else (a sandbox that forbids Unix sockets):
+            # TCP still works.
+            conn.close()
+            if not isinstance(exc, ConnectionRefusedError):
+                logger.debug("local socket %s unusable (%s); fetching over TCP", local, exc)
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         conn.connect()
