@@ -1092,7 +1092,7 @@ def part_replace(args: argparse.Namespace, targets: Targets) -> None:
     streams = [r for r in runs if r["stream_s"]]
     if streams:
         print(
-            f"    {'  of which recv_checkpoint (HTTP stream, over ' + streams[0]['route'] + '): ms':<58} "
+            f"    {'  of which recv_checkpoint (HTTP, ' + streams[0]['route'] + '): ms':<58} "
             + " ".join(f"{r['stream_s'] * 1e3:>8.1f}" for r in streams)
         )
         print(

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
+import os
 import re
+import signal
 import socket
 import threading
 import time
 import urllib.error
+import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -117,6 +121,60 @@ def test_http_round_trip_is_exact(
     src.disallow_checkpoint()
 
 
+def _impostor(name: str, report: int) -> None:
+    """In a forked child: serve ``name`` as another user; report the bytes any client sends."""
+    try:
+        os.setgid(65534)
+        os.setuid(65534)
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind("\0" + name)
+        srv.listen(1)
+        os.write(report, b"ready\n")
+        srv.settimeout(20)
+        conn, _ = srv.accept()
+        conn.settimeout(5)
+        got = b""
+        try:
+            while piece := conn.recv(4096):
+                got += piece
+        except OSError:
+            pass
+        os.write(report, f"received {len(got)} bytes {got[:200]!r}\n".encode())
+    finally:
+        os._exit(0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a server as another user")
+def test_a_local_socket_of_another_user_gets_nothing_and_the_fetch_goes_over_tcp() -> None:
+    # Abstract socket names are visible to every local user, and a dead
+    # source's name can be bound again by anyone: a socket that another user
+    # serves must not get the request (with its token), nor be believed.
+    name = f"ftdist-checkpoint-{uuid.uuid4().hex}"
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        _impostor(name, write_end)
+    os.close(write_end)
+    src = HTTPTransport[State](TIMEOUT, hostname="127.0.0.1", token="s3cret")
+    dst = HTTPTransport[State](TIMEOUT, hostname="127.0.0.1", token="s3cret")
+    try:
+        with os.fdopen(read_end, "r") as report:
+            assert report.readline() == "ready\n"
+            state = _state(3)
+            src.send_checkpoint([1], 4, state, TIMEOUT)
+            got = dst.recv_checkpoint(0, f"{src.address()}#local={name}", 4, TIMEOUT)
+            _assert_same(state, got)
+            _check_route(dst, "tcp")
+            assert report.readline() == "received 0 bytes b''\n"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        src.shutdown()
+        dst.shutdown()
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("how", ["argument", "environment"])
 def test_http_without_the_local_socket_serves_over_tcp_alone(
@@ -183,8 +241,12 @@ def test_torchft_checkpoint_server(num_chunks: int) -> None:
     try:
         expected = {"state": "dict", "tensor": torch.rand(5, 2), "cuda": torch.rand(2, 3)}
         server.send_checkpoint(dst_ranks=[], step=1234, state_dict=expected, timeout=TIMEOUT)
-        # The address, and the name of the local socket that a peer on this host uses.
-        assert server.metadata().startswith(server.address() + "#local=ftdist-checkpoint-")
+        # The address, and the name of the local socket that a peer on this host
+        # uses (none on a host without abstract Unix sockets: the address alone).
+        if server._server.local_name is None:
+            assert server.metadata() == server.address()
+        else:
+            assert server.metadata() == f"{server.address()}#local={server._server.local_name}"
         out = server.recv_checkpoint(
             src_rank=0, metadata=server.metadata(), step=1234, timeout=TIMEOUT
         )

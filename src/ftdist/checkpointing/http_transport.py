@@ -31,7 +31,9 @@ from __future__ import annotations
 import http.client
 import io
 import logging
+import os
 import socket
+import struct
 import threading
 import time
 import urllib.error
@@ -106,6 +108,8 @@ def _default_device(meta: LeafMeta) -> torch.device:
 
 # Where metadata names a source's local socket: ``<address>#local=<name>``.
 _LOCAL = "local="
+# Linux's SO_PEERCRED (the socket module has it only on some builds).
+_SO_PEERCRED = getattr(socket, "SO_PEERCRED", 17)
 
 
 class _LocalConnection(http.client.HTTPConnection):
@@ -120,6 +124,12 @@ class _LocalConnection(http.client.HTTPConnection):
         try:
             sock.settimeout(self.timeout)
             sock.connect("\0" + self._name)
+            # Abstract names are visible to every local user (/proc/net/unix),
+            # and a dead source's name can be bound again by anyone: only a
+            # server of this user gets the job token and the state's trust.
+            _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, _SO_PEERCRED, 12))
+            if uid != os.getuid():
+                raise PermissionError(f"the local socket belongs to uid {uid}, not this user")
         except BaseException:
             sock.close()
             raise
@@ -139,16 +149,13 @@ def _connect(
         try:
             conn.connect()
             return conn
-        except TimeoutError:
-            conn.close()
-            raise  # the source is here but busy: TCP would wait on the same server
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             # Refused: no such socket in this network namespace, the source is
-            # elsewhere. Anything else (a sandbox that forbids Unix sockets):
-            # TCP still works.
+            # elsewhere. Anything else (a sandbox that forbids Unix sockets, a
+            # full accept queue, a socket of another user): TCP still works.
             conn.close()
             if not isinstance(exc, ConnectionRefusedError):
-                logger.debug("local socket %s unusable (%s); fetching over TCP", local, exc)
+                logger.debug("local socket %r unusable (%s); fetching over TCP", local, exc)
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         conn.connect()
@@ -478,6 +485,7 @@ class HTTPTransport(CheckpointTransport[T]):
                 _wire.same_state(header, part[0], metadata)
             tensors = {k: v for part in parts for k, v in part[1].items()}
             nbytes = sum(part[2] for part in parts)
+            # The chunks' routes, "local+tcp" if some fell back to TCP.
             route = "+".join(sorted({part[3] for part in parts}))
         state = cast(T, _wire.assemble(header, tensors))
         self.last_transfer = TransferStats(nbytes, time.perf_counter() - start, route)

@@ -143,7 +143,9 @@ class PGTransport(CheckpointTransport[T]):
             if trailer is None:
                 trailer = _on(self._device, _wire.trailer_bytes(total, digest))
             self._wait(self._pg.send([trailer], dst, _TAG_TRAILER), timeout, what)
-        self.last_transfer = TransferStats(total * len(dst_ranks), time.perf_counter() - start)
+        self.last_transfer = TransferStats(
+            total * len(dst_ranks), time.perf_counter() - start, "process group"
+        )
 
     def _recv_bytes(self, n: int, src: int, tag: int, timeout: timedelta | None) -> bytes:
         buf = torch.empty(n, dtype=torch.uint8, device=self._device)
@@ -204,5 +206,5 @@ class PGTransport(CheckpointTransport[T]):
                 finish()
         trailer = self._recv_bytes(_wire.TRAILER_BYTES, src_rank, _TAG_TRAILER, timeout)
         _wire.check_trailer(trailer, total, digest, what)
-        self.last_transfer = TransferStats(total, time.perf_counter() - start)
+        self.last_transfer = TransferStats(total, time.perf_counter() - start, "process group")
         return cast(T, _wire.assemble(header, tensors))

@@ -20,12 +20,13 @@ class TransferStats:
         nbytes: bytes that crossed the wire.
         seconds: wall time of the transfer.
         route: how they travelled: ``"tcp"``, ``"local"`` (a Unix socket:
-            the source is on this host), or ``"process group"``.
+            the source is on this host), ``"local+tcp"`` (chunks over both),
+            ``"process group"``, or ``""`` where the transport does not say.
     """
 
     nbytes: int
     seconds: float
-    route: str = "process group"
+    route: str = ""
 
     @property
     def gbps(self) -> float:

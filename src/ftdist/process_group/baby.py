@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import socket
 import threading
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -269,12 +271,12 @@ class _Child:
     def _read_loop(self) -> None:
         while True:
             try:
-                _, op_id, err, extra = self.conn.recv()
+                msg = self.conn.recv()
             except (EOFError, OSError, ValueError, TypeError):
                 # TypeError: the pipe was closed under this read, which kill()
-                # does only once the child is gone and this thread has had
-                # seconds to see EOF.
+                # does only if this thread has not ended seconds after EOF.
                 break
+            _, op_id, err, extra = msg
             with self._lock:
                 work = self.pending.pop(op_id, None)
             if work is not None:
@@ -302,9 +304,15 @@ class _Child:
         with self._proc_lock:
             if self.proc.exitcode is None:
                 self.proc.kill()
-        # The reader sees EOF once the child is gone. Closing the pipe first
-        # would pull the handle from under a reader blocked in recv(), which
-        # then fails with a TypeError instead of ending.
+        # Wake the reader with EOF now, even where another process still
+        # holds the child's end. Closing the pipe instead would pull the
+        # handle from under a reader blocked in recv(), which then fails with
+        # a TypeError rather than ending.
+        try:
+            with socket.socket(fileno=os.dup(self.conn.fileno())) as wake:
+                wake.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already closed
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(timeout=5)
         self.join(timeout=5)
