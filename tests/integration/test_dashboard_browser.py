@@ -150,6 +150,7 @@ def test_dashboard_shows_the_lighthouse_replicas(
                 len(replication["replicas"]) == 3
                 and {r["role"] for r in replication["replicas"]} == {"leader", "follower"}
                 and bool(replication["failovers"])
+                and bool(replication["etcd"])
                 and all(m["ok"] for m in replication["etcd"])
             )
 

@@ -265,7 +265,12 @@ def test_tls_with_a_client_certificate(tls_etcd: tuple[str, dict[str, str]]) -> 
         LighthouseClient(lighthouse.address(), 10) as status_client,
     ):
         deadline = time.monotonic() + 20
-        while not (replication := status_client.status()["replication"])["serving"]:
+        # The etcd members' health is probed by a thread of its own: it may
+        # land after the replica starts serving.
+        while not (
+            (replication := status_client.status()["replication"])["serving"]
+            and replication["etcd"]
+        ):
             assert time.monotonic() < deadline, replication
             time.sleep(0.05)
         assert replication["etcd"][0]["ok"], replication

@@ -67,6 +67,7 @@ def _settled(document: dict[str, Any], live: int, leader: str) -> bool:
         and (replication["leader"] or {}).get("name") == leader
         and {r["name"]: r["role"] for r in replication["replicas"]}.get(leader) == "leader"
         and bool(replication["failovers"])
+        and bool(replication["etcd"])
         and all(m["ok"] for m in replication["etcd"])
     )
 
