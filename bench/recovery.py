@@ -1205,14 +1205,14 @@ def part_transport(args: argparse.Namespace, targets: Targets) -> None:
         outcomes = ranks.join(timeout=600)
     _fail(outcomes, "(d)")
     res = outcomes[1].value
-    print(f"    {'transport':<62} {'median GB/s':>11} {'min':>6} {'max':>6} {'median s':>9}")
+    print(f"    {'transport':<64} {'median GB/s':>11} {'min':>6} {'max':>6} {'median s':>9}")
     for label, rows in res.items():
         if label.startswith("_"):
             continue
         rates = [r["bytes"] / r["s"] / GB for r in rows]
         med = statistics.median(rates)
         secs = statistics.median(r["s"] for r in rows)
-        print(f"    {label:<62} {med:>11.2f} {min(rates):>6.2f} {max(rates):>6.2f} {secs:>9.3f}")
+        print(f"    {label:<64} {med:>11.2f} {min(rates):>6.2f} {max(rates):>6.2f} {secs:>9.3f}")
         if not label.startswith("raw"):
             targets.append((f"(d) {label} >= 2 GB/s (median)", med >= 2.0, f"{med:.2f} GB/s"))
     for label, ref in (
