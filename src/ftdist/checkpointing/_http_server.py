@@ -305,7 +305,6 @@ class _TCPServer(_Listening, DualStackHTTPServer):
 class _LocalServer(_Listening, socketserver.UnixStreamServer):
     """The listener on an abstract Unix socket (Linux): no file, gone with the socket."""
 
-    daemon_threads = True
     request_queue_size = 1024
 
     def __init__(self, shared: _Shared, name: str) -> None:

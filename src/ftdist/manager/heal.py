@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_flatten_with_path
 
-from ftdist.checkpointing import CheckpointTransport
+from ftdist.checkpointing import CheckpointTransport, TransferStats
 from ftdist.checkpointing._checksum import WordSum
 from ftdist.checkpointing._wire import sum_tensor
 from ftdist.errors import StateDivergenceError
@@ -242,14 +242,9 @@ def manager_counters(state: dict[str, Any]) -> dict[str, int]:
     return dict(counters)
 
 
-def _transfer_bytes(transport: CheckpointTransport[Any]) -> int:
-    stats = transport.last_transfer
-    return stats.nbytes if stats is not None else 0
-
-
-def _route(transport: CheckpointTransport[Any]) -> str:
-    stats = transport.last_transfer
-    return stats.route if stats is not None else ""
+def _last_transfer(transport: CheckpointTransport[Any]) -> TransferStats:
+    """The transport's last transfer; nothing moved if it keeps no record."""
+    return transport.last_transfer or TransferStats(0, 0.0)
 
 
 class Healer:
@@ -295,7 +290,7 @@ class Healer:
         start = time.perf_counter()
         self.transport.send_checkpoint(dst, quorum.max_step, state, self._timeout)
         timeline.transfer_s = time.perf_counter() - start
-        timeline.transfer_bytes = _transfer_bytes(self.transport)
+        timeline.transfer_bytes = _last_transfer(self.transport).nbytes
         return timeline
 
     def receive(
@@ -350,8 +345,8 @@ class Healer:
             self.tell(timeline, "failed", repr(exc))
             raise
         timeline.transfer_s = time.perf_counter() - start
-        timeline.transfer_bytes = _transfer_bytes(self.transport)
-        timeline.route = _route(self.transport)
+        stats = _last_transfer(self.transport)
+        timeline.transfer_bytes, timeline.route = stats.nbytes, stats.route
         self.tell(timeline, "load")
         if not isinstance(state, dict):
             raise TypeError(f"the heal source sent a {type(state).__name__}, not a state dict")

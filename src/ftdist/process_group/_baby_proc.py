@@ -72,8 +72,7 @@ class SparePool:
         if spare is not None and spare.proc.is_alive():
             return spare
         if spare is not None:
-            spare.conn.close()
-            spare.stacks.close()
+            spare.discard()
         return start_child()
 
     def refill(self) -> None:
