@@ -42,7 +42,16 @@ def _wait_heartbeating(dashboard: str | None, count: int) -> None:
     )
 
 
-def test_many_concurrent_clients_get_one_sorted_quorum(lh: Lighthouses) -> None:
+# Every test here runs on the default server (ftdist's HTTP/2 one); these two
+# also run on grpcio's core, which TLS uses and FTDIST_LIGHTHOUSE_RPC_SERVER picks.
+_BOTH_SERVERS = pytest.mark.parametrize("rpc_server", ["h2", "grpcio"])
+
+
+@_BOTH_SERVERS
+def test_many_concurrent_clients_get_one_sorted_quorum(
+    lh: Lighthouses, rpc_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FTDIST_LIGHTHOUSE_RPC_SERVER", rpc_server)
     n = 48
     server = lh.server(min_replicas=n)
     client = lh.client(server)
@@ -293,7 +302,11 @@ def test_garbage_bytes_on_the_port_are_dropped(lh: Lighthouses) -> None:
     assert member_ids(lh.client(server).quorum("ok", TIMEOUT)) == ["ok"]
 
 
-def test_client_that_disconnects_mid_call_is_withdrawn(lh: Lighthouses) -> None:
+@_BOTH_SERVERS
+def test_client_that_disconnects_mid_call_is_withdrawn(
+    lh: Lighthouses, rpc_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FTDIST_LIGHTHOUSE_RPC_SERVER", rpc_server)
     server = lh.server(min_replicas=2, http_port=0)
     status = f"{server.dashboard_address()}/status.json"
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")

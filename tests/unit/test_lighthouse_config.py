@@ -114,3 +114,13 @@ def test_token_tls_and_caps_resolve_and_validate(tmp_path: Path) -> None:
         resolve_lighthouse_config(environ={}, min_replicas=1, tls_cert="c.pem")
     with pytest.raises(OSError):
         resolve_lighthouse_config(environ={}, min_replicas=1, token_file=str(tmp_path / "none"))
+
+
+def test_rpc_server_choice() -> None:
+    assert resolve_lighthouse_config(environ={}, min_replicas=1).rpc_server == "h2"
+    env = {"FTDIST_LIGHTHOUSE_RPC_SERVER": "GRPCIO"}
+    assert resolve_lighthouse_config(environ=env, min_replicas=1).rpc_server == "grpcio"
+    explicit = resolve_lighthouse_config(environ=env, min_replicas=1, rpc_server="h2")
+    assert explicit.rpc_server == "h2"
+    with pytest.raises(ValueError, match="rpc_server \\('tonic'\\).*FTDIST_LIGHTHOUSE_RPC_SERVER"):
+        resolve_lighthouse_config(environ={"FTDIST_LIGHTHOUSE_RPC_SERVER": "tonic"}, min_replicas=1)

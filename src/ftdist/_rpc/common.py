@@ -62,7 +62,7 @@ NOT_LEADER_PREFIX = "not the leader"
 # A quorum of 1024 members with user data can be several MiB.
 _MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 # What a server takes in one request (one member's request, not a quorum).
-_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+MAX_REQUEST_BYTES = 4 * 1024 * 1024
 # A client's stream window: what gRPC's bandwidth probe grew it to.
 _CLIENT_WINDOW_BYTES = 4 * 1024 * 1024
 
@@ -158,11 +158,11 @@ def server_options() -> list[tuple[str, int]]:
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
         ("grpc.http2.max_ping_strikes", 0),
         ("grpc.http2.bdp_probe", 0),
-        ("grpc.http2.lookahead_bytes", _MAX_REQUEST_BYTES),
+        ("grpc.http2.lookahead_bytes", MAX_REQUEST_BYTES),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.max_receive_message_length", _MAX_REQUEST_BYTES),
+        ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
         ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
     ]
 

@@ -24,6 +24,7 @@ Field                               Environment variable            Default
 ``lease_ttl``                       ``FTDIST_LIGHTHOUSE_LEASE_TTL_MS`` 2 s
 ``takeover_grace``                  ``FTDIST_LIGHTHOUSE_TAKEOVER_GRACE_MS`` 1 s
 ``etcd_ca``, ``_cert``, ``_key``    ``FTDIST_ETCD_CA``, ``_CERT``, ``_KEY`` none
+``rpc_server``                      ``FTDIST_LIGHTHOUSE_RPC_SERVER`` ``h2``
 =================================== =============================== ==========
 
 With ``etcd`` the lighthouse is one replica of a replicated set
@@ -34,6 +35,11 @@ The job token and the TLS files are read by :mod:`ftdist._auth`, like every
 other process of the job reads them. The caps (``max_replica_ids``,
 ``max_subscribers``, ``max_parked_per_replica``, ``max_data_bytes``) are
 Python settings only; docs/security.md explains them.
+
+``rpc_server`` picks the gRPC server: ``h2``, ftdist's own HTTP/2 server
+(:mod:`ftdist._rpc.h2_server`, a third of grpcio's CPU per call), or
+``grpcio``, grpcio's core (:mod:`ftdist._rpc.cq_server`). A lighthouse
+serving TLS always runs on grpcio's core.
 
 The two join-timeout defaults are torchft's: its Python ``LighthouseServer``
 defaults to 100 ms (tests want quick quorums), its command line to 60 s
@@ -85,6 +91,7 @@ ENV_VARS: Mapping[str, str] = {
     "etcd_ca": "FTDIST_ETCD_CA",
     "etcd_cert": "FTDIST_ETCD_CERT",
     "etcd_key": "FTDIST_ETCD_KEY",
+    "rpc_server": "FTDIST_LIGHTHOUSE_RPC_SERVER",
 }
 """Environment variable for each setting."""
 
@@ -97,6 +104,7 @@ API_DEFAULTS: Mapping[str, object] = {
     "kill_token": None,
     "lease_ttl_ms": 2000,
     "takeover_grace_ms": 1000,
+    "rpc_server": "h2",
 }
 """Defaults of the Python API (torchft's ``LighthouseServer`` defaults)."""
 
@@ -115,6 +123,7 @@ _DEFAULT_MAX_SUBSCRIBERS = 16384
 # A manager has one quorum request parked, two while a retry overlaps a call
 # the lighthouse has not yet seen cancelled.
 _DEFAULT_MAX_PARKED_PER_REPLICA = 4
+_RPC_SERVERS = ("h2", "grpcio")
 _CAPS = ("max_data_bytes", "max_replica_ids", "max_subscribers", "max_parked_per_replica")
 
 
@@ -200,6 +209,8 @@ class LighthouseConfig:
             waiting at once.
         replication: with etcd, this lighthouse is one replica of a
             replicated set; None: the single lighthouse.
+        rpc_server: ``"h2"`` (ftdist's HTTP/2 server) or ``"grpcio"``
+            (grpcio's core); TLS always runs on grpcio's core.
     """
 
     bind: str
@@ -217,6 +228,7 @@ class LighthouseConfig:
     max_subscribers: int = _DEFAULT_MAX_SUBSCRIBERS
     max_parked_per_replica: int = _DEFAULT_MAX_PARKED_PER_REPLICA
     replication: ReplicationConfig | None = None
+    rpc_server: str = "h2"
 
     def __post_init__(self) -> None:
         """Validate every field.
@@ -247,6 +259,11 @@ class LighthouseConfig:
             raise ValueError("token must be None (no job token) or a non-empty string.")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: give both or neither.")
+        if self.rpc_server not in _RPC_SERVERS:
+            raise ValueError(
+                f"rpc_server ({self.rpc_server!r}) must be one of {', '.join(_RPC_SERVERS)}; "
+                "set FTDIST_LIGHTHOUSE_RPC_SERVER=h2 (the default) or grpcio"
+            )
 
 
 def _duration(name: str, value: object) -> timedelta:
@@ -285,7 +302,7 @@ def resolve_lighthouse_config(
         environ: the environment to read; ``os.environ`` when None.
         **explicit: settings by name (``bind``, ``min_replicas``,
             ``join_timeout_ms``, ``quorum_tick_ms``, ``heartbeat_timeout_ms``,
-            ``http_port``, ``kill_token``, ``token``, ``token_file``,
+            ``http_port``, ``kill_token``, ``token``, ``token_file``, ``rpc_server``,
             ``tls_cert``, ``tls_key`` and the caps ``max_data_bytes``,
             ``max_replica_ids``, ``max_subscribers``,
             ``max_parked_per_replica``); a value of None means "not given".
@@ -352,6 +369,7 @@ def resolve_lighthouse_config(
         tls_cert=tls.cert,
         tls_key=tls.key,
         replication=replication,
+        rpc_server=str(_or(pick("rpc_server"), "h2")).strip().lower(),
         **caps,
     )
 

@@ -25,7 +25,7 @@ import grpc
 from ftdist._auth import tls_files
 from ftdist._rpc import common as _rpc
 from ftdist._rpc.auth import Metadata, open_channel
-from ftdist._rpc.cq_server import RpcCall
+from ftdist._rpc.call import ServerCall
 
 __all__ = ["LeaderForwarder"]
 
@@ -44,7 +44,7 @@ class LeaderForwarder:
 
     def forward(
         self,
-        rpc: RpcCall,
+        rpc: ServerCall,
         request: bytes,
         leader: str,
         call_soon: Callable[[Callable[[], None]], None],

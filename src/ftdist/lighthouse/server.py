@@ -26,7 +26,7 @@ grpcio owns its listening socket, so the dashboard has its own port
 
 The gRPC callbacks, the periodic tick and the engine
 (:mod:`ftdist.lighthouse.engine`) all run on one thread named
-``ftdist-lighthouse`` (:mod:`ftdist._rpc.cq_server`), so the state
+``ftdist-lighthouse`` (:mod:`ftdist._rpc.h2_server`; :mod:`ftdist._rpc.cq_server` over TLS), so the state
 needs no locks; the dashboard's threads read it by scheduling work there. The constructor returns once the server is serving, and
 :meth:`LighthouseServer.shutdown` stops and joins everything it started.
 Requests that fail validation get ``INVALID_ARGUMENT`` naming the field, and
@@ -57,7 +57,9 @@ from ftdist._auth import tls_files, warn_if_open
 from ftdist._rpc import common as _rpc
 from ftdist._rpc._proto import ftdist_pb2, torchft_pb2
 from ftdist._rpc.auth import call_metadata, metadata_refusal, server_credentials
-from ftdist._rpc.cq_server import CompletionQueueServer, RpcCall
+from ftdist._rpc.call import RpcServer, ServerCall
+from ftdist._rpc.cq_server import CompletionQueueServer
+from ftdist._rpc.h2_server import H2Server
 from ftdist._rpc.kill import kill_manager
 from ftdist.lighthouse.config import LighthouseConfig, resolve_lighthouse_config
 from ftdist.lighthouse.dashboard import DashboardServer
@@ -95,7 +97,7 @@ class _EventStream:
 
     __slots__ = ("engine", "rpc")
 
-    def __init__(self, rpc: RpcCall, engine: LighthouseEngine) -> None:
+    def __init__(self, rpc: ServerCall, engine: LighthouseEngine) -> None:
         self.rpc = rpc
         self.engine = engine
 
@@ -112,7 +114,7 @@ class _EventStream:
         self.rpc.abort(grpc.StatusCode.UNAVAILABLE, _CLOSING)
 
 
-def _decode(rpc: RpcCall, message_type: Any, request: bytes) -> Any:
+def _decode(rpc: ServerCall, message_type: Any, request: bytes) -> Any:
     """``request`` parsed as ``message_type``; None after aborting the call.
 
     A malformed request is the client's error: INVALID_ARGUMENT naming the
@@ -200,31 +202,10 @@ class LighthouseServer:
         self._replica: LighthouseReplica | None = None
         self._leading = False
         self._forwarder = LeaderForwarder(call_metadata(config.token))
-        credentials = server_credentials(tls_files(config.tls_cert, config.tls_key, environ={}))
-        self._server = CompletionQueueServer(
-            config.bind,
-            {
-                _rpc.LIGHTHOUSE_QUORUM: self._handle_quorum,
-                _rpc.LIGHTHOUSE_HEARTBEAT: self._handle_heartbeat,
-                _rpc.EVENTS_SUBSCRIBE: self._handle_subscribe,
-                _rpc.EVENTS_STATUS: self._handle_status,
-                _rpc.EVENTS_LEAVE: self._handle_leave,
-                _rpc.EVENTS_REPORT_HEAL: self._handle_report_heal,
-            },
-            _rpc.server_options(),
-            tick=self._tick,
-            tick_period_s=config.quorum_tick.total_seconds(),
-            thread_name="ftdist-lighthouse",
-            auth=(
-                None
-                if config.token is None
-                else functools.partial(metadata_refusal, token=config.token, what="this lighthouse")
-            ),
-            credentials=credentials,
-        )
+        self._server = self._rpc_server(config)
         # Quorum calls parked since the last tick, not yet watched for
         # cancellation (see _tick).
-        self._unwatched: list[tuple[RpcCall, object]] = []
+        self._unwatched: list[tuple[ServerCall, object]] = []
         self._shutdown_lock = threading.Lock()
         self._closed = False
         self._port = self._server.start()
@@ -291,6 +272,43 @@ class LighthouseServer:
         if self._dashboard is None:
             return None
         return f"http://{self._public_host()}:{self._dashboard.port}"
+
+    def _rpc_server(self, config: LighthouseConfig) -> RpcServer:
+        handlers = {
+            _rpc.LIGHTHOUSE_QUORUM: self._handle_quorum,
+            _rpc.LIGHTHOUSE_HEARTBEAT: self._handle_heartbeat,
+            _rpc.EVENTS_SUBSCRIBE: self._handle_subscribe,
+            _rpc.EVENTS_STATUS: self._handle_status,
+            _rpc.EVENTS_LEAVE: self._handle_leave,
+            _rpc.EVENTS_REPORT_HEAL: self._handle_report_heal,
+        }
+        auth = (
+            None
+            if config.token is None
+            else functools.partial(metadata_refusal, token=config.token, what="this lighthouse")
+        )
+        credentials = server_credentials(tls_files(config.tls_cert, config.tls_key, environ={}))
+        if credentials is None and config.rpc_server == "h2":
+            return H2Server(
+                config.bind,
+                dict(handlers),
+                max_request_bytes=_rpc.MAX_REQUEST_BYTES,
+                tick=self._tick,
+                tick_period_s=config.quorum_tick.total_seconds(),
+                thread_name="ftdist-lighthouse",
+                auth=auth,
+            )
+        # TLS is served by grpcio's core; so is plaintext when asked for.
+        return CompletionQueueServer(
+            config.bind,
+            dict(handlers),
+            _rpc.server_options(),
+            tick=self._tick,
+            tick_period_s=config.quorum_tick.total_seconds(),
+            thread_name="ftdist-lighthouse",
+            auth=auth,
+            credentials=credentials,
+        )
 
     def shutdown(self) -> None:
         """Stop serving and join every thread. Idempotent.
@@ -364,7 +382,7 @@ class LighthouseServer:
 
     # -- RPC handlers (on the server thread) ----------------------------------
 
-    def _handle_quorum(self, rpc: RpcCall, request: bytes) -> None:
+    def _handle_quorum(self, rpc: ServerCall, request: bytes) -> None:
         if self._elsewhere(rpc, request, forward=True):
             return
         message = _decode(rpc, torchft_pb2.LighthouseQuorumRequest, request)
@@ -412,7 +430,11 @@ class LighthouseServer:
         engine = self._engine
         parked, self._unwatched = self._unwatched, []
         for rpc, ticket in parked:
-            if not rpc.done:
+            if rpc.cancelled:
+                # Gone before the tick: the HTTP/2 server learns of a closed
+                # connection without being asked to watch the call.
+                engine.withdraw(ticket)
+            elif not rpc.done:
                 rpc.on_cancel(functools.partial(engine.withdraw, ticket))
         if self._may_judge():
             engine.tick()
@@ -444,7 +466,7 @@ class LighthouseServer:
         if self._may_judge():
             self._engine.check_lost_streams()
 
-    def _handle_heartbeat(self, rpc: RpcCall, request: bytes) -> None:
+    def _handle_heartbeat(self, rpc: ServerCall, request: bytes) -> None:
         if self._elsewhere(rpc, request, forward=True):
             return
         message = _decode(rpc, torchft_pb2.LighthouseHeartbeatRequest, request)
@@ -465,7 +487,7 @@ class LighthouseServer:
         self._engine.heartbeat(replica_id)
         rpc.reply(b"")
 
-    def _admit(self, rpc: RpcCall, replica_id: str) -> bool:
+    def _admit(self, rpc: ServerCall, replica_id: str) -> bool:
         if self._engine.admit(replica_id):
             return True
         rpc.abort(
@@ -475,7 +497,7 @@ class LighthouseServer:
         )
         return False
 
-    def _handle_subscribe(self, rpc: RpcCall, request: bytes) -> None:
+    def _handle_subscribe(self, rpc: ServerCall, request: bytes) -> None:
         if self._elsewhere(rpc, request, forward=False):
             return
         message = _decode(rpc, ftdist_pb2.SubscribeRequest, request)
@@ -511,7 +533,7 @@ class LighthouseServer:
         engine.subscribe(stream)
         engine.stream_opened(replica_id, listener)
 
-    def _handle_status(self, rpc: RpcCall, request: bytes) -> None:
+    def _handle_status(self, rpc: ServerCall, request: bytes) -> None:
         if _decode(rpc, ftdist_pb2.StatusRequest, request) is None:
             return
         # Handlers run on the server thread, which is the engine's loop, as
@@ -520,7 +542,7 @@ class LighthouseServer:
         response = ftdist_pb2.StatusResponse(status_json=json.dumps(document))
         rpc.reply(response.SerializeToString())
 
-    def _handle_leave(self, rpc: RpcCall, request: bytes) -> None:
+    def _handle_leave(self, rpc: ServerCall, request: bytes) -> None:
         if self._elsewhere(rpc, request, forward=True):
             return
         message = _decode(rpc, ftdist_pb2.LeaveRequest, request)
@@ -536,7 +558,7 @@ class LighthouseServer:
         self._engine.leave(replica_id)
         rpc.reply(ftdist_pb2.LeaveResponse().SerializeToString())
 
-    def _handle_report_heal(self, rpc: RpcCall, request: bytes) -> None:
+    def _handle_report_heal(self, rpc: ServerCall, request: bytes) -> None:
         if self._elsewhere(rpc, request, forward=False):
             return
         report = _decode(rpc, ftdist_pb2.HealReport, request)
@@ -586,7 +608,7 @@ class LighthouseServer:
         old.close()
         logger.warning("Lighthouse stopped forming quorums: %s", reason)
 
-    def _elsewhere(self, rpc: RpcCall, request: bytes, *, forward: bool) -> bool:
+    def _elsewhere(self, rpc: ServerCall, request: bytes, *, forward: bool) -> bool:
         """Whether a call is not this replica's to answer; it is then
         answered "not the leader" (ftdist clients move) or forwarded.
         """
@@ -605,7 +627,7 @@ class LighthouseServer:
             self._not_leader(rpc, "it follows")
         return True
 
-    def _not_leader(self, rpc: RpcCall, why: str) -> None:
+    def _not_leader(self, rpc: ServerCall, why: str) -> None:
         leader = "" if self._replica is None else self._replica.leader_address
         rpc.abort(
             grpc.StatusCode.FAILED_PRECONDITION,
@@ -614,7 +636,7 @@ class LighthouseServer:
             ((_rpc.LEADER_METADATA, leader),),
         )
 
-    def _forward(self, rpc: RpcCall, request: bytes) -> None:
+    def _forward(self, rpc: ServerCall, request: bytes) -> None:
         leader = "" if self._replica is None else self._replica.leader_address
         if not leader or leader == self.address():
             rpc.abort(

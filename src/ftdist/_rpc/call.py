@@ -1,0 +1,90 @@
+"""
+What a handler and its owner see of a server, whichever runs it
+================================================================
+
+The lighthouse runs on one of two single-threaded gRPC servers: the HTTP/2
+server written here (:mod:`ftdist._rpc.h2_server`, plaintext) or grpcio's
+core (:mod:`ftdist._rpc.cq_server`, plaintext or TLS). Both give handlers
+the same call object and their owner the same scheduling methods; these
+protocols name that contract so the lighthouse is typed against it, not
+against either server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import grpc
+
+__all__ = ["RpcServer", "ServerCall"]
+
+
+class ServerCall(Protocol):
+    """One call, used only on its server's thread.
+
+    Attributes:
+        method: the full method path, e.g. ``/torchft.LighthouseService/Quorum``.
+        metadata: the client's invocation metadata, ``(key, value)`` pairs.
+        done: the call has been answered (or its client went away).
+        cancelled: its client cancelled it, disconnected or ran out of time.
+    """
+
+    method: str
+    metadata: tuple[tuple[str, Any], ...]
+    done: bool
+    cancelled: bool
+
+    def reply(self, payload: bytes) -> None:
+        """Answer with ``payload`` and status OK; ignored once done."""
+
+    def abort(
+        self,
+        code: grpc.StatusCode,
+        details: str,
+        trailing: tuple[tuple[str, str], ...] | None = None,
+    ) -> None:
+        """End with an error status after any queued messages; ignored once done."""
+
+    def send(self, payload: bytes) -> None:
+        """Queue one message of a server-streaming response; ignored once done."""
+
+    @property
+    def pending_messages(self) -> int:
+        """Messages queued but not yet handed on."""
+
+    def on_cancel(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the server thread if the client goes away first."""
+
+    def metadata_value(self, key: str) -> str | None:
+        """One invocation metadata value, or None."""
+
+
+class RpcServer(Protocol):
+    """The owner's side of a single-threaded server."""
+
+    port: int
+
+    def start(self) -> int:
+        """Bind and serve; the port.
+
+        Raises:
+            OSError: if the address cannot be bound.
+        """
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the server thread. Thread-safe."""
+
+    def call_later(self, delay_s: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the server thread after ``delay_s`` seconds. Thread-safe."""
+
+    def run(self, fn: Callable[[], Any], timeout: float = 5.0) -> Any:
+        """Run ``fn`` on the server thread and return its result.
+
+        Raises:
+            RuntimeError: if the server is not running.
+            TimeoutError: if it did not run in time.
+        """
+
+    def stop(self, grace_s: float) -> None:
+        """Stop serving, cancel what is left after ``grace_s`` seconds, join."""

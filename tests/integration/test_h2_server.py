@@ -1,0 +1,297 @@
+"""ftdist's own gRPC server (ftdist._rpc.h2_server) against grpcio's client
+over real sockets: what a handler sees, what the client gets back, and that
+nothing a client does stops the server."""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from ftdist._rpc import h2, h2_server, hpack
+from ftdist._rpc.h2_server import H2Call, H2Server
+
+pytestmark = pytest.mark.timeout(60)
+
+T = 10.0
+
+
+class _Fixture:
+    def __init__(self) -> None:
+        self.parked: list[H2Call] = []
+        self.cancelled: list[str] = []
+        self.seen: list[tuple[str, tuple[tuple[str, object], ...]]] = []
+        self.server = H2Server(
+            "127.0.0.1:0",
+            {
+                "/t.S/Echo": self.echo,
+                "/t.S/Big": lambda call, req: call.reply(b"b" * int(req)),
+                "/t.S/Park": self.park,
+                "/t.S/Stream": self.stream,
+                "/t.S/Crash": self.crash,
+            },
+            max_request_bytes=1 << 20,
+            auth=lambda md: None if ("token", "t0k") in md else "wrong token",
+        )
+        self.port = self.server.start()
+        self.channel = grpc.insecure_channel(
+            f"127.0.0.1:{self.port}", options=[("grpc.max_receive_message_length", 64 << 20)]
+        )
+
+    def echo(self, call: H2Call, request: bytes) -> None:
+        self.seen.append((call.method, call.metadata))
+        call.reply(request[::-1])
+
+    def park(self, call: H2Call, request: bytes) -> None:
+        self.parked.append(call)
+        call.on_cancel(lambda: self.cancelled.append(request.decode()))
+
+    def stream(self, call: H2Call, request: bytes) -> None:
+        for i in range(int(request)):
+            call.send(b"%d" % i * 10_000)
+        call.abort(grpc.StatusCode.NOT_FOUND, "end of stream: ü 100%", (("k", "v"),))
+
+    def crash(self, call: H2Call, request: bytes) -> None:
+        raise RuntimeError("handler bug")
+
+    def unary(self, method: str, request: bytes, **kwargs: object) -> bytes:
+        kwargs.setdefault("metadata", (("token", "t0k"),))
+        kwargs.setdefault("timeout", T)
+        result: bytes = self.channel.unary_unary(method)(request, **kwargs)
+        return result
+
+
+@pytest.fixture
+def srv() -> Iterator[_Fixture]:
+    fixture = _Fixture()
+    try:
+        yield fixture
+    finally:
+        fixture.channel.close()
+        fixture.server.stop(0.5)
+
+
+def _code(exc: pytest.ExceptionInfo[grpc.RpcError]) -> grpc.StatusCode:
+    return exc.value.code()
+
+
+def test_unary_calls_small_and_large(srv: _Fixture) -> None:
+    assert srv.unary("/t.S/Echo", b"hello", metadata=(("token", "t0k"), ("x-bin", b"\0\1"))) == (
+        b"olleh"
+    )
+    method, metadata = srv.seen[0]
+    assert method == "/t.S/Echo"
+    assert ("x-bin", b"\0\1") in metadata and ("token", "t0k") in metadata
+    request = random.Random(1).randbytes(1 << 20)  # above the client's first window
+    assert srv.unary("/t.S/Echo", request) == request[::-1]
+    # A reply far above the window the client grants: sent as it reopens.
+    assert srv.unary("/t.S/Big", b"%d" % (20 << 20)) == b"b" * (20 << 20)
+
+
+def test_many_calls_at_once_on_one_connection(srv: _Fixture) -> None:
+    futures = [
+        srv.channel.unary_unary("/t.S/Echo").future(
+            b"%d" % i, timeout=T, metadata=(("token", "t0k"),)
+        )
+        for i in range(200)
+    ]
+    assert [f.result() for f in futures] == [(b"%d" % i)[::-1] for i in range(200)]
+
+
+def test_streaming_then_an_error_status_with_trailers(srv: _Fixture) -> None:
+    call = srv.channel.unary_stream("/t.S/Stream")(b"30", timeout=T, metadata=(("token", "t0k"),))
+    received = []
+    with pytest.raises(grpc.RpcError) as exc:
+        for message in call:
+            received.append(message)
+    assert received == [b"%d" % i * 10_000 for i in range(30)]
+    assert _code(exc) == grpc.StatusCode.NOT_FOUND
+    assert exc.value.details() == "end of stream: ü 100%"
+    assert ("k", "v") in tuple(exc.value.trailing_metadata())
+
+
+@pytest.mark.parametrize(
+    ("method", "request_", "metadata", "code"),
+    [
+        ("/t.S/Echo", b"x", (), grpc.StatusCode.UNAUTHENTICATED),
+        ("/t.S/Nope", b"x", (("token", "t0k"),), grpc.StatusCode.UNIMPLEMENTED),
+        ("/t.S/Echo", b"x" * (2 << 20), (("token", "t0k"),), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        ("/t.S/Crash", b"x", (("token", "t0k"),), grpc.StatusCode.INTERNAL),
+    ],
+)
+def test_refusals(
+    srv: _Fixture,
+    method: str,
+    request_: bytes,
+    metadata: tuple[tuple[str, str], ...],
+    code: grpc.StatusCode,
+) -> None:
+    with pytest.raises(grpc.RpcError) as exc:
+        srv.unary(method, request_, metadata=metadata)
+    assert _code(exc) == code
+    assert srv.seen == []
+    assert srv.unary("/t.S/Echo", b"ok") == b"ko"
+
+
+def test_a_compressed_request_is_refused(srv: _Fixture) -> None:
+    with pytest.raises(grpc.RpcError) as exc:
+        srv.unary("/t.S/Echo", b"x" * 1000, compression=grpc.Compression.Gzip)
+    assert _code(exc) == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_a_deadline_or_a_disconnect_cancels_a_parked_call(srv: _Fixture) -> None:
+    with pytest.raises(grpc.RpcError) as exc:
+        srv.unary("/t.S/Park", b"deadline", timeout=0.3)
+    assert _code(exc) == grpc.StatusCode.DEADLINE_EXCEEDED
+    other = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
+    future = other.unary_unary("/t.S/Park").future(
+        b"disconnect", timeout=T, metadata=(("token", "t0k"),)
+    )
+    deadline = time.monotonic() + T
+    while len(srv.parked) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    other.close()
+    with pytest.raises(grpc.RpcError):
+        future.result()
+    while len(srv.cancelled) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(srv.cancelled) == ["deadline", "disconnect"]
+    assert all(call.cancelled and call.done for call in srv.parked)
+
+
+def test_calls_answered_later_from_other_threads(srv: _Fixture) -> None:
+    future = srv.channel.unary_unary("/t.S/Park").future(
+        b"later", timeout=T, metadata=(("token", "t0k"),)
+    )
+    assert srv.server.run(lambda: 42) == 42
+    deadline = time.monotonic() + T
+    while not srv.parked and time.monotonic() < deadline:
+        time.sleep(0.01)
+    threading.Thread(
+        target=lambda: srv.server.call_later(0.05, lambda: srv.parked[0].reply(b"done"))
+    ).start()
+    assert future.result() == b"done"
+    assert srv.cancelled == []
+
+
+def _raw(port: int, payload: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=T) as sock:
+        sock.sendall(payload)
+        sock.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _frame_kinds(wire: bytes) -> list[int]:
+    kinds = []
+    pos = 0
+    while pos + 9 <= len(wire):
+        kinds.append(wire[pos + 3])
+        pos += 9 + int.from_bytes(wire[pos : pos + 3], "big")
+    return kinds
+
+
+def test_garbage_on_the_port_never_stops_the_server(srv: _Fixture) -> None:
+    rng = random.Random(7)
+    request = hpack.encode([(b":method", b"POST"), (b":path", b"/t.S/Echo")])
+    inputs = [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+        h2.PREFACE + b"\xff" * 64,
+        h2.PREFACE + h2.frame(h2.HEADERS, h2.END_HEADERS, 1, b"\xbe"),
+        h2.PREFACE + h2.frame(h2.HEADERS, h2.END_HEADERS, 1, request),  # then hangs up
+        h2.PREFACE + h2.frame(h2.DATA, h2.END_STREAM, 9, b"x"),
+    ]
+    inputs += [h2.PREFACE + rng.randbytes(rng.randint(1, 300)) for _ in range(40)]
+    inputs += [rng.randbytes(rng.randint(1, 100)) for _ in range(10)]
+    for i, payload in enumerate(inputs):
+        kinds = _frame_kinds(_raw(srv.port, payload))
+        if i in (0, 1, 2):  # a bad preface, a frame too large, a bad header block
+            assert kinds[0] == h2.SETTINGS and kinds[-1] == h2.GOAWAY, kinds
+    assert srv.unary("/t.S/Echo", b"still up") == b"pu llits"
+
+
+def test_a_peer_that_stops_answering_pings_loses_its_calls(
+    srv: _Fixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(h2_server, "_KEEPALIVE_IDLE_S", 0.3)
+    monkeypatch.setattr(h2_server, "_KEEPALIVE_TIMEOUT_S", 0.5)
+    headers = hpack.encode([(b":method", b"POST"), (b":path", b"/t.S/Park"), (b"token", b"t0k")])
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=T) as sock:
+        sock.sendall(
+            h2.PREFACE
+            + h2.frame(h2.SETTINGS, 0, 0)
+            + h2.frame(h2.HEADERS, h2.END_HEADERS, 1, headers)
+            + h2.frame(h2.DATA, h2.END_STREAM, 1, b"\0\0\0\0\6silent")
+        )
+        # Reads nothing more and acknowledges no PING, like a host that died.
+        deadline = time.monotonic() + T
+        while srv.cancelled != ["silent"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert srv.cancelled == ["silent"]
+
+
+def test_stop_cancels_what_is_parked_and_frees_the_port(srv: _Fixture) -> None:
+    future = srv.channel.unary_unary("/t.S/Park").future(
+        b"parked", timeout=T, metadata=(("token", "t0k"),)
+    )
+    deadline = time.monotonic() + T
+    while not srv.parked and time.monotonic() < deadline:
+        time.sleep(0.01)
+    srv.server.stop(0.2)
+    with pytest.raises(grpc.RpcError):
+        future.result()
+    assert srv.cancelled == ["parked"]
+    with pytest.raises(RuntimeError):
+        srv.server.run(lambda: None)
+    again = H2Server(f"127.0.0.1:{srv.port}", {})
+    again.start()
+    again.stop(0)
+
+
+def test_a_port_in_use_is_an_os_error(srv: _Fixture) -> None:
+    with pytest.raises(OSError, match="cannot bind"):
+        H2Server(f"127.0.0.1:{srv.port}", {}).start()
+
+
+def test_a_peer_that_answers_pings_keeps_its_calls(
+    srv: _Fixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(h2_server, "_KEEPALIVE_IDLE_S", 0.2)
+    monkeypatch.setattr(h2_server, "_KEEPALIVE_TIMEOUT_S", 0.5)
+    headers = hpack.encode([(b":method", b"POST"), (b":path", b"/t.S/Park"), (b"token", b"t0k")])
+    pings = 0
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=T) as sock:
+        sock.sendall(
+            h2.PREFACE
+            + h2.frame(h2.SETTINGS, 0, 0)
+            + h2.frame(h2.HEADERS, h2.END_HEADERS, 1, headers)
+            + h2.frame(h2.DATA, h2.END_STREAM, 1, b"\0\0\0\0\4kept")
+        )
+        sock.settimeout(0.1)
+        wire = b""
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            try:
+                wire += sock.recv(65536)
+            except TimeoutError:
+                continue
+            while len(wire) >= 9 and len(wire) >= 9 + int.from_bytes(wire[:3], "big"):
+                length = int.from_bytes(wire[:3], "big")
+                kind, flags, payload = wire[3], wire[4], wire[9 : 9 + length]
+                wire = wire[9 + length :]
+                if kind == h2.PING and not flags & h2.ACK:
+                    pings += 1
+                    sock.sendall(h2.frame(h2.PING, h2.ACK, 0, payload))
+        assert pings >= 2
+        assert srv.cancelled == []
+    deadline = time.monotonic() + T
+    while srv.cancelled != ["kept"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert srv.cancelled == ["kept"]  # closing the socket cancels it
