@@ -295,3 +295,68 @@ def test_a_peer_that_answers_pings_keeps_its_calls(
     while srv.cancelled != ["kept"] and time.monotonic() < deadline:
         time.sleep(0.02)
     assert srv.cancelled == ["kept"]  # closing the socket cancels it
+
+
+def _read_until_closed(sock: socket.socket) -> bool:
+    """True once the server has closed the connection (EOF or reset)."""
+    sock.settimeout(T)
+    try:
+        while sock.recv(65536):
+            pass
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        return False
+    return True
+
+
+def test_a_client_that_never_reads_its_answers_is_cut_off(
+    srv: _Fixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(h2_server, "_MAX_UNSENT_BYTES", 64 << 10)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", srv.port))
+    with sock:
+        pings = h2.frame(h2.PING, 0, 0, b"12345678") * 1000
+        try:
+            sock.sendall(h2.PREFACE)
+            for _ in range(400):  # 6.8 MB of PINGs whose ACKs nobody reads
+                sock.sendall(pings)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # already cut off
+        assert _read_until_closed(sock)
+    assert srv.unary("/t.S/Echo", b"up") == b"pu"
+
+
+def test_calls_per_connection_are_capped(srv: _Fixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(h2_server, "_MAX_CALLS_PER_CONNECTION", 3)
+    futures = [
+        srv.channel.unary_unary("/t.S/Park").future(
+            b"%d" % i, timeout=T, metadata=(("token", "t0k"),)
+        )
+        for i in range(3)
+    ]
+    deadline = time.monotonic() + T
+    while len(srv.parked) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(grpc.RpcError) as exc:
+        srv.unary("/t.S/Echo", b"fourth")
+    assert _code(exc) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    for future in futures:
+        future.cancel()
+
+
+def test_unfinished_requests_per_connection_are_capped(
+    srv: _Fixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(h2_server, "_MAX_BUFFERED_REQUEST_BYTES", 100_000)
+    headers = hpack.encode([(b":method", b"POST"), (b":path", b"/t.S/Echo"), (b"token", b"t0k")])
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=T) as sock:
+        wire = h2.PREFACE + h2.frame(h2.SETTINGS, 0, 0)
+        for sid in range(1, 41, 2):  # 20 requests of 1 MB announced, 10 KB of each sent
+            wire += h2.frame(h2.HEADERS, h2.END_HEADERS, sid, headers)
+            wire += h2.frame(h2.DATA, 0, sid, b"\0" + (1 << 20).to_bytes(4, "big") + b"x" * 10_000)
+        sock.sendall(wire)
+        assert _read_until_closed(sock)
+    assert srv.unary("/t.S/Echo", b"up") == b"pu"

@@ -122,5 +122,5 @@ def test_rpc_server_choice() -> None:
     assert resolve_lighthouse_config(environ=env, min_replicas=1).rpc_server == "grpcio"
     explicit = resolve_lighthouse_config(environ=env, min_replicas=1, rpc_server="h2")
     assert explicit.rpc_server == "h2"
-    with pytest.raises(ValueError, match="rpc_server \\('tonic'\\).*FTDIST_LIGHTHOUSE_RPC_SERVER"):
+    with pytest.raises(ValueError, match=r"rpc_server \('tonic'\).*FTDIST_LIGHTHOUSE_RPC_SERVER"):
         resolve_lighthouse_config(environ={"FTDIST_LIGHTHOUSE_RPC_SERVER": "tonic"}, min_replicas=1)

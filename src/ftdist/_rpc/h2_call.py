@@ -213,5 +213,10 @@ class Connection:
         self.ping_sent: float | None = None
         self.writing = False
 
+    @property
+    def buffered(self) -> int:
+        """Bytes of requests that have begun to arrive but are not whole."""
+        return sum(len(call.request) for call in self.calls.values() if call.request)
+
     def mark_dirty(self) -> None:
         self.dirty.add(self)

@@ -59,6 +59,9 @@ _KEEPALIVE_TIMEOUT_S = 10.0
 _KEEPALIVE_CHECK_S = 1.0
 _BACKLOG = 4096
 _RECV_BYTES = 1 << 18
+_MAX_UNSENT_BYTES = 64 << 20
+_MAX_BUFFERED_REQUEST_BYTES = 64 << 20
+_MAX_CALLS_PER_CONNECTION = 4096
 
 Handler = Callable[[H2Call, bytes], None]
 
@@ -334,11 +337,25 @@ class H2Server:
             self._write(conn)
             self._close(conn)
             return
+        except Exception:
+            # A bug in the frame layer costs this connection, never the server.
+            logger.exception("gRPC server failed to read a connection; closing it")
+            self._close(conn)
+            return
         for event in events:
             try:
                 self._event(conn, event)
             except Exception:
                 logger.exception("gRPC server failed on %r", event)
+        if len(conn.h2.out) > _MAX_UNSENT_BYTES or conn.buffered > _MAX_BUFFERED_REQUEST_BYTES:
+            # A client that makes the server queue answers it never reads
+            # (PINGs, resets), or opens calls it never finishes, is cut off
+            # before it can grow this process without bound.
+            logger.warning(
+                "closing a gRPC connection that holds too much unread or unfinished data"
+            )
+            self._close(conn)
+            return
         if conn.h2.out:
             conn.mark_dirty()
 
@@ -375,6 +392,12 @@ class H2Server:
         call = H2Call(conn, event.stream_id, method, tuple(metadata))
         if self._stopping:
             call.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+            return
+        if len(conn.calls) >= _MAX_CALLS_PER_CONNECTION:
+            call.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{_MAX_CALLS_PER_CONNECTION} calls are open on this connection",
+            )
             return
         conn.calls[event.stream_id] = call
         if self._auth is not None:

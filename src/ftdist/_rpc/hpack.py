@@ -180,6 +180,9 @@ def huffman_decode(data: bytes) -> bytes:
 
 _HUFFMAN_CACHE_ENTRIES = 1024
 _BLOCK_CACHE_ENTRIES = 64
+# Only small strings and blocks are remembered: the caches stay below a
+# megabyte whatever clients send.
+_CACHED_BYTES = 512
 _huffman_cache: dict[bytes, bytes] = {}
 
 
@@ -257,6 +260,8 @@ class Decoder:
         decoded = _huffman_cache.get(raw)
         if decoded is None:
             decoded = huffman_decode(raw)
+            if len(raw) > _CACHED_BYTES:
+                return decoded, end
             if len(_huffman_cache) >= _HUFFMAN_CACHE_ENTRIES:
                 _huffman_cache.clear()
             _huffman_cache[raw] = decoded
@@ -273,7 +278,7 @@ class Decoder:
             return list(cached[1])
         version = self._version
         headers = self._decode(data)
-        if self._version == version:
+        if self._version == version and len(data) <= _CACHED_BYTES:
             if len(self._blocks) >= _BLOCK_CACHE_ENTRIES:
                 self._blocks.clear()
             self._blocks[bytes(data)] = (version, headers)
