@@ -74,9 +74,10 @@ def test_padding_priority_and_continuation_are_read() -> None:
 def test_a_reply_beyond_the_peer_window_waits_for_window_update() -> None:
     conn = _open(initial_window=10)
     conn.receive(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 1, _REQUEST))
-    conn.send_response(1, b"H", b"x" * 25, b"T")
+    conn.send_response(1, b"H", b"pp", b"x" * 23, b"T")
     frames = _frames(conn.out)
     assert [(k, len(p)) for k, _, _, p in frames] == [(h2.HEADERS, 1), (h2.DATA, 10)]
+    assert frames[1][3] == b"pp" + b"x" * 8
     assert conn.queued_messages(1) == 1
     conn.receive(h2.frame(h2.WINDOW_UPDATE, 0, 1, struct.pack(">I", 100)))
     frames = _frames(conn.out)
@@ -91,8 +92,8 @@ def test_the_connection_window_holds_every_stream() -> None:
     conn = _open()
     for sid in (1, 3):
         conn.receive(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, sid, _REQUEST))
-    conn.send_response(1, b"H", b"a" * 65_000, b"T")
-    conn.send_response(3, b"H", b"b" * 1000, b"T")
+    conn.send_response(1, b"H", b"", b"a" * 65_000, b"T")
+    conn.send_response(3, b"H", b"", b"b" * 1000, b"T")
     first = _frames(conn.out)
     assert sum(len(p) for k, _, _, p in first if k == h2.DATA) == 65_535  # shared window
     ended = [sid for k, f, sid, _ in first if k == h2.HEADERS and f & h2.END_STREAM]
@@ -109,7 +110,7 @@ def test_data_frames_respect_the_peer_frame_size() -> None:
     conn.receive(_settings(initial_window=1 << 20))
     _frames(conn.out)
     conn.receive(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 1, _REQUEST))
-    conn.send_response(1, b"H", b"z" * 40_000, b"T" * 20_000)
+    conn.send_response(1, b"H", b"", b"z" * 40_000, b"T" * 20_000)
     frames = _frames(conn.out)
     assert max(len(p) for _, _, _, p in frames) <= 16_384
     assert [k for k, _, _, _ in frames][-2:] == [h2.HEADERS, h2.CONTINUATION]
@@ -176,6 +177,6 @@ def test_garbage_after_the_preface_raises_only_connection_error(chunks: list[byt
     try:
         for chunk in chunks:
             conn.receive(chunk)
-            conn.send_response(1, b"H", b"m", b"T")
+            conn.send_response(1, b"H", b"", b"m", b"T")
     except h2.ConnectionError_:
         pass

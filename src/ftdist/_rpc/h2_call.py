@@ -122,12 +122,14 @@ class H2Call:
         if self.done:
             return
         connection = self._conn.h2
-        message = message_prefix.pack(0, len(payload)) + payload
+        prefix = message_prefix.pack(0, len(payload))
         if self._headers_sent:
-            connection.send_message(self.stream_id, message)
+            connection.send_message(self.stream_id, prefix + payload)
             connection.send_headers(self.stream_id, _OK_TRAILERS, end_stream=True)
         else:
-            connection.send_response(self.stream_id, _RESPONSE_HEADERS, message, _OK_TRAILERS)
+            connection.send_response(
+                self.stream_id, _RESPONSE_HEADERS, prefix, payload, _OK_TRAILERS
+            )
         self._finish()
 
     def abort(
