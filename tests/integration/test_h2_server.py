@@ -360,3 +360,53 @@ def test_unfinished_requests_per_connection_are_capped(
         sock.sendall(wire)
         assert _read_until_closed(sock)
     assert srv.unary("/t.S/Echo", b"up") == b"pu"
+
+
+_FEW_DESCRIPTORS = """
+import os, resource, sys, time
+from ftdist._rpc.h2_server import H2Server
+server = H2Server("127.0.0.1:0", {"/t.S/Echo": lambda call, req: call.reply(req)})
+port = server.start()
+limit = len(os.listdir("/proc/self/fd")) + 4
+resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+print(port, flush=True)
+sys.stdin.readline()
+server.stop(0)
+"""
+
+
+def test_out_of_descriptors_the_server_rests_then_serves_again() -> None:
+    import subprocess
+    import sys
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", _FEW_DESCRIPTORS],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        port = int(child.stdout.readline())
+        hogs = [socket.create_connection(("127.0.0.1", port), timeout=T) for _ in range(12)]
+        time.sleep(0.3)  # the server has hit its limit and rests
+        for hog in hogs:
+            hog.close()
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        try:
+            echo = channel.unary_unary("/t.S/Echo")
+            assert echo(b"back", timeout=T, wait_for_ready=True) == b"back"
+        finally:
+            channel.close()
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.wait(T) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        _, err = child.communicate()
+        if child.returncode:
+            print(err)
+    assert "cannot accept connections for now" in err

@@ -156,9 +156,15 @@ class ServerConnection:
         Raises:
             ConnectionError_: on a protocol error (GOAWAY is queued in ``out``).
         """
+        events: list[Event] = []
+        if self._preface_seen and not self._in:
+            # The usual case: whole frames in one read, parsed where they lie.
+            pos = self._frames(data, events)
+            if pos < len(data):
+                self._in += data[pos:]
+            return events
         buf = self._in
         buf += data
-        events: list[Event] = []
         pos = 0
         if not self._preface_seen:
             if len(buf) < len(PREFACE):
@@ -169,19 +175,28 @@ class ServerConnection:
                 self._fail(PROTOCOL_ERROR, "not an HTTP/2 client (bad preface)")
             self._preface_seen = True
             pos = len(PREFACE)
-        end = len(buf)
+        whole = bytes(buf)
+        buf.clear()
+        pos = self._frames(whole, events, pos)
+        if pos < len(whole):
+            buf += whole[pos:]
+        return events
+
+    def _frames(self, data: bytes, events: list[Event], pos: int = 0) -> int:
+        """Handle the whole frames in ``data`` from ``pos``; where the rest begins."""
+        end = len(data)
+        unpack = _frame_header.unpack_from
         while end - pos >= 9:
-            high, low, kind, flags, stream_id = _frame_header.unpack_from(buf, pos)
+            high, low, kind, flags, stream_id = unpack(data, pos)
             length = (high << 16) | low
             if length > _DEFAULT_FRAME:
                 self._fail(FRAME_SIZE_ERROR, f"frame of {length} bytes is above 16384")
             if end - pos - 9 < length:
                 break
-            payload = bytes(buf[pos + 9 : pos + 9 + length])
+            payload = data[pos + 9 : pos + 9 + length]
             pos += 9 + length
             self._frame(kind, flags, stream_id & 0x7FFFFFFF, payload, events)
-        del buf[:pos]
-        return events
+        return pos
 
     def _fail(self, code: int, why: str) -> NoReturn:
         self.out += frame(GOAWAY, 0, 0, struct.pack(">II", self._last_stream, code) + why.encode())

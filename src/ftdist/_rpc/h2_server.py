@@ -32,7 +32,7 @@ import concurrent.futures
 import errno
 import heapq
 import logging
-import selectors
+import select
 import socket
 import threading
 import time
@@ -62,8 +62,58 @@ _RECV_BYTES = 1 << 18
 _MAX_UNSENT_BYTES = 64 << 20
 _MAX_BUFFERED_REQUEST_BYTES = 64 << 20
 _MAX_CALLS_PER_CONNECTION = 4096
+_ACCEPT_PAUSE_S = 0.5
 
 Handler = Callable[[H2Call, bytes], None]
+
+
+_READ = select.EPOLLIN
+_WRITE = select.EPOLLOUT
+_ERROR = select.EPOLLERR | select.EPOLLHUP
+
+
+class _Poller:
+    """epoll with an object per descriptor: what ``selectors`` does, less
+    its per-event bookkeeping, which shows at one event per call."""
+
+    def __init__(self) -> None:
+        self._epoll = select.epoll()
+        self._targets: dict[int, Any] = {}
+
+    def register(self, sock: socket.socket, events: int, target: Any) -> None:
+        fd = sock.fileno()
+        self._epoll.register(fd, events)
+        self._targets[fd] = target
+
+    def modify(self, sock: socket.socket, events: int, target: Any) -> None:
+        fd = sock.fileno()
+        if fd < 0 or fd not in self._targets:
+            raise KeyError(fd)
+        self._epoll.modify(fd, events)
+        self._targets[fd] = target
+
+    def unregister(self, sock: socket.socket) -> None:
+        fd = sock.fileno()
+        if self._targets.pop(fd, _MISSING) is _MISSING:
+            raise KeyError(fd)
+        self._epoll.unregister(fd)
+
+    def select(self, timeout: float) -> list[tuple[Any, int]]:
+        targets = self._targets
+        ready = []
+        for fd, mask in self._epoll.poll(timeout):
+            target = targets.get(fd, _MISSING)
+            if target is not _MISSING:
+                # An error or hang-up reads as readable: recv() then says which.
+                ready.append((target, mask | _READ if mask & _ERROR else mask))
+        return ready
+
+    def close(self) -> None:
+        self._epoll.close()
+        self._targets.clear()
+
+
+_MISSING = object()
 
 
 class H2Server:
@@ -102,7 +152,7 @@ class H2Server:
         self._auth = auth
         self._tick = tick
         self._tick_period_s = tick_period_s
-        self._selector = selectors.DefaultSelector()
+        self._selector = _Poller()
         self._listeners: list[socket.socket] = []
         self._conns: set[Connection] = set()
         self._dirty: set[Connection] = set()
@@ -136,9 +186,9 @@ class H2Server:
             raise OSError(
                 exc.errno, f"cannot bind gRPC server to {self._bind} (address in use?): {exc}"
             ) from exc
-        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._selector.register(self._wake_r, _READ, None)
         for sock in self._listeners:
-            self._selector.register(sock, selectors.EVENT_READ, sock)
+            self._selector.register(sock, _READ, sock)
         self._thread.start()
         return self.port
 
@@ -246,12 +296,11 @@ class H2Server:
                     wait = min(wait, max(0.0, self._timers[0][0] - now))
                 if self._commands:
                     wait = 0.0
-                for key, mask in select(wait):
-                    target = key.data
+                for target, mask in select(wait):
                     if isinstance(target, Connection):
-                        if mask & selectors.EVENT_READ:
+                        if mask & _READ:
                             self._read(target)
-                        if mask & selectors.EVENT_WRITE and target.sock.fileno() >= 0:
+                        if mask & _WRITE and target.sock.fileno() >= 0:
                             self._write(target)
                     elif target is None:
                         self._drain_wakeups()
@@ -306,8 +355,21 @@ class H2Server:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                # Out of file descriptors, or a connection reset while queued.
-                logger.warning("gRPC server could not accept a connection: %s", exc)
+                if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    continue  # that one connection was reset while it queued
+                # Out of descriptors or memory: the listener stays readable,
+                # so it rests a while instead of spinning the thread.
+                logger.warning("gRPC server cannot accept connections for now: %s", exc)
+                self._selector.unregister(listener)
+                self._timer_seq += 1
+                heapq.heappush(
+                    self._timers,
+                    (
+                        time.monotonic() + _ACCEPT_PAUSE_S,
+                        self._timer_seq,
+                        lambda: self._resume(listener),
+                    ),
+                )
                 return
             if self._stopping:
                 sock.close()
@@ -316,8 +378,12 @@ class H2Server:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = Connection(sock, self._dirty, self._recv_window)
             self._conns.add(conn)
-            self._selector.register(sock, selectors.EVENT_READ, conn)
+            self._selector.register(sock, _READ, conn)
             conn.mark_dirty()  # our SETTINGS go out first
+
+    def _resume(self, listener: socket.socket) -> None:
+        if not self._stopping:
+            self._selector.register(listener, _READ, listener)
 
     def _read(self, conn: Connection) -> None:
         try:
@@ -466,7 +532,7 @@ class H2Server:
         want_write = bool(out)
         if want_write != conn.writing:
             conn.writing = want_write
-            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if want_write else 0)
+            events = _READ | (_WRITE if want_write else 0)
             try:
                 self._selector.modify(sock, events, conn)
             except (KeyError, ValueError):
@@ -505,7 +571,10 @@ class H2Server:
         self._stopping = True
         self._grace_deadline = time.monotonic() + grace_s
         for sock in self._listeners:
-            self._selector.unregister(sock)
+            try:
+                self._selector.unregister(sock)
+            except KeyError:
+                pass  # resting after a failed accept
             sock.close()
         for conn in self._conns:
             conn.h2.goaway(h2.NO_ERROR, "server shutting down")
