@@ -32,7 +32,6 @@ import concurrent.futures
 import errno
 import heapq
 import logging
-import select
 import socket
 import threading
 import time
@@ -49,6 +48,7 @@ from ftdist._rpc.h2_call import (
     decode_metadata,
     message_prefix,
 )
+from ftdist._rpc.poller import READ, WRITE, Poller
 
 __all__ = ["H2Call", "H2Server"]
 
@@ -65,55 +65,6 @@ _MAX_CALLS_PER_CONNECTION = 4096
 _ACCEPT_PAUSE_S = 0.5
 
 Handler = Callable[[H2Call, bytes], None]
-
-
-_READ = select.EPOLLIN
-_WRITE = select.EPOLLOUT
-_ERROR = select.EPOLLERR | select.EPOLLHUP
-
-
-class _Poller:
-    """epoll with an object per descriptor: what ``selectors`` does, less
-    its per-event bookkeeping, which shows at one event per call."""
-
-    def __init__(self) -> None:
-        self._epoll = select.epoll()
-        self._targets: dict[int, Any] = {}
-
-    def register(self, sock: socket.socket, events: int, target: Any) -> None:
-        fd = sock.fileno()
-        self._epoll.register(fd, events)
-        self._targets[fd] = target
-
-    def modify(self, sock: socket.socket, events: int, target: Any) -> None:
-        fd = sock.fileno()
-        if fd < 0 or fd not in self._targets:
-            raise KeyError(fd)
-        self._epoll.modify(fd, events)
-        self._targets[fd] = target
-
-    def unregister(self, sock: socket.socket) -> None:
-        fd = sock.fileno()
-        if self._targets.pop(fd, _MISSING) is _MISSING:
-            raise KeyError(fd)
-        self._epoll.unregister(fd)
-
-    def select(self, timeout: float) -> list[tuple[Any, int]]:
-        targets = self._targets
-        ready = []
-        for fd, mask in self._epoll.poll(timeout):
-            target = targets.get(fd, _MISSING)
-            if target is not _MISSING:
-                # An error or hang-up reads as readable: recv() then says which.
-                ready.append((target, mask | _READ if mask & _ERROR else mask))
-        return ready
-
-    def close(self) -> None:
-        self._epoll.close()
-        self._targets.clear()
-
-
-_MISSING = object()
 
 
 class H2Server:
@@ -152,7 +103,7 @@ class H2Server:
         self._auth = auth
         self._tick = tick
         self._tick_period_s = tick_period_s
-        self._selector = _Poller()
+        self._selector = Poller()
         self._listeners: list[socket.socket] = []
         self._conns: set[Connection] = set()
         self._dirty: set[Connection] = set()
@@ -186,9 +137,9 @@ class H2Server:
             raise OSError(
                 exc.errno, f"cannot bind gRPC server to {self._bind} (address in use?): {exc}"
             ) from exc
-        self._selector.register(self._wake_r, _READ, None)
+        self._selector.register(self._wake_r, READ, None)
         for sock in self._listeners:
-            self._selector.register(sock, _READ, sock)
+            self._selector.register(sock, READ, sock)
         self._thread.start()
         return self.port
 
@@ -298,9 +249,9 @@ class H2Server:
                     wait = 0.0
                 for target, mask in select(wait):
                     if isinstance(target, Connection):
-                        if mask & _READ:
+                        if mask & READ:
                             self._read(target)
-                        if mask & _WRITE and target.sock.fileno() >= 0:
+                        if mask & WRITE and target.sock.fileno() >= 0:
                             self._write(target)
                     elif target is None:
                         self._drain_wakeups()
@@ -378,12 +329,12 @@ class H2Server:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = Connection(sock, self._dirty, self._recv_window)
             self._conns.add(conn)
-            self._selector.register(sock, _READ, conn)
+            self._selector.register(sock, READ, conn)
             conn.mark_dirty()  # our SETTINGS go out first
 
     def _resume(self, listener: socket.socket) -> None:
         if not self._stopping:
-            self._selector.register(listener, _READ, listener)
+            self._selector.register(listener, READ, listener)
 
     def _read(self, conn: Connection) -> None:
         try:
@@ -532,7 +483,7 @@ class H2Server:
         want_write = bool(out)
         if want_write != conn.writing:
             conn.writing = want_write
-            events = _READ | (_WRITE if want_write else 0)
+            events = READ | (WRITE if want_write else 0)
             try:
                 self._selector.modify(sock, events, conn)
             except (KeyError, ValueError):

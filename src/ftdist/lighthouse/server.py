@@ -21,8 +21,9 @@ and, at each step, asks it which replica groups train together (the quorum).
 and, on a second port, the dashboard of :mod:`ftdist.lighthouse.dashboard`.
 
 Deviation from torchft: torchft serves gRPC and the dashboard on the same port;
-grpcio owns its listening socket, so the dashboard has its own port
-(``http_port``) here.
+here the dashboard has its own port (``http_port``), on either gRPC server
+(grpcio's owns its listening socket, and the two ports stay the same whichever
+server runs).
 
 The gRPC callbacks, the periodic tick and the engine
 (:mod:`ftdist.lighthouse.engine`) all run on one thread named
