@@ -27,8 +27,6 @@ periodic tick, or another call's handler). Nothing here blocks the thread.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
-import heapq
 import logging
 import threading
 import time
@@ -37,6 +35,8 @@ from typing import Any
 
 import grpc
 from grpc._cython import cygrpc
+
+from ftdist._rpc.schedule import Schedule
 
 __all__ = ["CompletionQueueServer", "Handler", "RpcCall"]
 
@@ -261,16 +261,14 @@ class CompletionQueueServer:
         self._handlers = handlers
         self._auth = auth
         self._credentials = credentials
-        self._tick = tick
-        self._tick_period_s = tick_period_s
+        # gRPC's completion queue cannot be woken from Python; the loop polls
+        # every _MAX_POLL_S instead, which bounds call_soon()'s latency.
+        self._schedule = Schedule(tick, tick_period_s)
         self._cq = cygrpc.CompletionQueue()
         self._server = cygrpc.Server(tuple(options), False)
         self._server.register_completion_queue(self._cq)
-        self._commands: collections.deque[Callable[[], None]] = collections.deque()
-        # (when, seq, fn), run on the server thread; only that thread touches it.
-        self._timers: list[tuple[float, int, Callable[[], None]]] = []
-        self._timer_seq = 0
         self._thread = threading.Thread(target=self._serve, name=thread_name, daemon=True)
+        self._schedule.thread = self._thread
         self._stopping = False
         self._grace_deadline = 0.0
         self._cancelled_all = False
@@ -307,20 +305,14 @@ class CompletionQueueServer:
 
         What ``fn`` raises is logged on the server thread.
         """
-        self._commands.append(fn)
+        self._schedule.call_soon(fn)
 
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the server thread ``delay_s`` seconds from now. Thread-safe.
 
         What ``fn`` raises is logged on the server thread.
         """
-        when = time.monotonic() + max(0.0, delay_s)
-
-        def schedule() -> None:
-            self._timer_seq += 1
-            heapq.heappush(self._timers, (when, self._timer_seq, fn))
-
-        self.call_soon(schedule)
+        self._schedule.call_later(delay_s, fn)
 
     def run(self, fn: Callable[[], Any], timeout: float = 5.0) -> Any:
         """Run ``fn`` on the server thread and return its result. Thread-safe.
@@ -337,18 +329,8 @@ class CompletionQueueServer:
             TimeoutError: if it did not run in time.
             Exception: whatever ``fn`` raised.
         """
-        if self._stopping or not self._thread.is_alive():
-            raise RuntimeError("server is not running")
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-        def call() -> None:
-            try:
-                future.set_result(fn())
-            except BaseException as exc:
-                future.set_exception(exc)
-
-        self.call_soon(call)
-        return future.result(timeout)
+        running = not self._stopping and self._thread.is_alive()
+        return self._schedule.run(fn, timeout, running)
 
     def stop(self, grace_s: float) -> None:
         """Stop accepting calls, give running ones ``grace_s`` seconds to end,
@@ -362,12 +344,9 @@ class CompletionQueueServer:
     # -- the server thread --------------------------------------------------
 
     def _serve(self) -> None:
-        next_tick = time.monotonic() + self._tick_period_s
+        schedule = self._schedule
         while True:
-            now = time.monotonic()
-            wait = min(_MAX_POLL_S, max(0.0, next_tick - now))
-            if self._timers:
-                wait = min(wait, max(0.0, self._timers[0][0] - now))
+            wait = schedule.wait_s(time.monotonic(), _MAX_POLL_S)
             event = self._cq.poll(time.time() + wait)
             kind = event.completion_type
             if kind == cygrpc.CompletionType.queue_shutdown:
@@ -377,27 +356,8 @@ class CompletionQueueServer:
                     event.tag(event)
                 except Exception:
                     logger.exception("gRPC callback failed")
-            while self._commands:
-                try:
-                    self._commands.popleft()()
-                except Exception:
-                    logger.exception("scheduled call failed")
+            schedule.run_due(self._stopping)
             now = time.monotonic()
-            while self._timers and self._timers[0][0] <= now and not self._stopping:
-                _, _, due = heapq.heappop(self._timers)
-                try:
-                    due()
-                except Exception:
-                    logger.exception("timer failed")
-            if now >= next_tick:
-                next_tick = now + self._tick_period_s
-                if self._tick is not None and not self._stopping:
-                    try:
-                        self._tick()
-                    except Exception:
-                        # A bug in one tick must not stop the server; calls
-                        # keep being served and the next tick may succeed.
-                        logger.exception("server tick failed")
             if self._stopping and not self._cancelled_all and now >= self._grace_deadline:
                 self._cancelled_all = True
                 self._server.cancel_all_calls()

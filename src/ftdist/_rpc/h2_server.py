@@ -27,10 +27,7 @@ reset a stream whose deadline passed, and the reset cancels the call here.
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import errno
-import heapq
 import logging
 import socket
 import threading
@@ -49,6 +46,7 @@ from ftdist._rpc.h2_call import (
     message_prefix,
 )
 from ftdist._rpc.poller import READ, WRITE, Poller
+from ftdist._rpc.schedule import Schedule
 
 __all__ = ["H2Call", "H2Server"]
 
@@ -101,19 +99,16 @@ class H2Server:
         self._max_request = max_request_bytes
         self._recv_window = max(max_request_bytes + 5, 65_535)
         self._auth = auth
-        self._tick = tick
-        self._tick_period_s = tick_period_s
+        self._schedule = Schedule(tick, tick_period_s, wake=self._wake)
         self._selector = Poller()
         self._listeners: list[socket.socket] = []
         self._conns: set[Connection] = set()
         self._dirty: set[Connection] = set()
-        self._commands: collections.deque[Callable[[], None]] = collections.deque()
-        self._timers: list[tuple[float, int, Callable[[], None]]] = []
-        self._timer_seq = 0
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._thread = threading.Thread(target=self._serve, name=thread_name, daemon=True)
+        self._schedule.thread = self._thread
         self._stopping = False
         self._grace_deadline = 0.0
         self.port = 0
@@ -144,26 +139,12 @@ class H2Server:
         return self.port
 
     def call_soon(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the server thread. Thread-safe.
-
-        What ``fn`` raises is logged on the server thread.
-        """
-        self._commands.append(fn)
-        if threading.current_thread() is not self._thread:
-            try:
-                self._wake_w.send(b"\0")
-            except OSError:
-                pass  # full (a wake-up is pending anyway) or closed (stopped)
+        """Run ``fn`` on the server thread. Thread-safe; what it raises is logged."""
+        self._schedule.call_soon(fn)
 
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the server thread ``delay_s`` seconds from now. Thread-safe."""
-        when = time.monotonic() + max(0.0, delay_s)
-
-        def schedule() -> None:
-            self._timer_seq += 1
-            heapq.heappush(self._timers, (when, self._timer_seq, fn))
-
-        self.call_soon(schedule)
+        self._schedule.call_later(delay_s, fn)
 
     def run(self, fn: Callable[[], Any], timeout: float = 5.0) -> Any:
         """Run ``fn`` on the server thread and return its result. Thread-safe.
@@ -173,18 +154,14 @@ class H2Server:
             TimeoutError: if it did not run in time.
             Exception: whatever ``fn`` raised.
         """
-        if self._stopping or not self._thread.is_alive():
-            raise RuntimeError("server is not running")
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        running = not self._stopping and self._thread.is_alive()
+        return self._schedule.run(fn, timeout, running)
 
-        def call() -> None:
-            try:
-                future.set_result(fn())
-            except BaseException as exc:
-                future.set_exception(exc)
-
-        self.call_soon(call)
-        return future.result(timeout)
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:
+            pass  # full (a wake-up is pending anyway) or closed (stopped)
 
     def stop(self, grace_s: float) -> None:
         """Stop accepting calls, give running ones ``grace_s`` seconds to end,
@@ -236,18 +213,13 @@ class H2Server:
     # -- the server thread ------------------------------------------------------
 
     def _serve(self) -> None:
-        next_tick = time.monotonic() + self._tick_period_s
         next_keepalive = time.monotonic() + _KEEPALIVE_CHECK_S
         select = self._selector.select
+        schedule = self._schedule
         try:
             while True:
                 now = time.monotonic()
-                wait = max(0.0, min(next_tick, next_keepalive) - now)
-                if self._timers:
-                    wait = min(wait, max(0.0, self._timers[0][0] - now))
-                if self._commands:
-                    wait = 0.0
-                for target, mask in select(wait):
+                for target, mask in select(schedule.wait_s(now, next_keepalive - now)):
                     if isinstance(target, Connection):
                         if mask & READ:
                             self._read(target)
@@ -257,26 +229,8 @@ class H2Server:
                         self._drain_wakeups()
                     else:
                         self._accept(target)
-                while self._commands:
-                    try:
-                        self._commands.popleft()()
-                    except Exception:
-                        logger.exception("scheduled call failed")
+                schedule.run_due(self._stopping)
                 now = time.monotonic()
-                while self._timers and self._timers[0][0] <= now and not self._stopping:
-                    _, _, due = heapq.heappop(self._timers)
-                    try:
-                        due()
-                    except Exception:
-                        logger.exception("timer failed")
-                if now >= next_tick:
-                    next_tick = now + self._tick_period_s
-                    if self._tick is not None and not self._stopping:
-                        try:
-                            self._tick()
-                        except Exception:
-                            # A bug in one tick must not stop the server.
-                            logger.exception("server tick failed")
                 if now >= next_keepalive:
                     next_keepalive = now + _KEEPALIVE_CHECK_S
                     self._keepalive(now)
@@ -312,14 +266,8 @@ class H2Server:
                 # so it rests a while instead of spinning the thread.
                 logger.warning("gRPC server cannot accept connections for now: %s", exc)
                 self._selector.unregister(listener)
-                self._timer_seq += 1
-                heapq.heappush(
-                    self._timers,
-                    (
-                        time.monotonic() + _ACCEPT_PAUSE_S,
-                        self._timer_seq,
-                        lambda: self._resume(listener),
-                    ),
+                self._schedule.at(
+                    time.monotonic() + _ACCEPT_PAUSE_S, lambda: self._resume(listener)
                 )
                 return
             if self._stopping:
