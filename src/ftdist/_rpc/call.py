@@ -12,12 +12,15 @@ against either server.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import grpc
 
-__all__ = ["RpcServer", "ServerCall"]
+__all__ = ["RpcServer", "ServerCall", "handler_for", "run_handler"]
+
+logger = logging.getLogger("ftdist.rpc")
 
 
 class ServerCall(Protocol):
@@ -88,3 +91,31 @@ class RpcServer(Protocol):
 
     def stop(self, grace_s: float) -> None:
         """Stop serving, cancel what is left after ``grace_s`` seconds, join."""
+
+
+def handler_for(
+    call: ServerCall,
+    handlers: Mapping[str, Callable[[Any, bytes], None]],
+    auth: Callable[[Any], str | None] | None,
+) -> Callable[[Any, bytes], None] | None:
+    """The handler for ``call``, or None once the call is refused:
+    UNAUTHENTICATED when ``auth`` names a problem with its metadata (before
+    its request is read), UNIMPLEMENTED for a method nobody serves."""
+    if auth is not None:
+        problem = auth(call.metadata)
+        if problem is not None:
+            call.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
+            return None
+    handler = handlers.get(call.method)
+    if handler is None:
+        call.abort(grpc.StatusCode.UNIMPLEMENTED, f"unknown method {call.method}")
+    return handler
+
+
+def run_handler(handler: Callable[[Any, bytes], None], call: ServerCall, request: bytes) -> None:
+    """Run ``handler``; a bug in it ends the call with INTERNAL, never the server."""
+    try:
+        handler(call, request)
+    except Exception as exc:
+        logger.exception("handler of %s failed", call.method)
+        call.abort(grpc.StatusCode.INTERNAL, f"internal lighthouse error: {exc!r}")

@@ -36,6 +36,7 @@ from typing import Any
 import grpc
 from grpc._cython import cygrpc
 
+from ftdist._rpc.call import handler_for, run_handler
 from ftdist._rpc.schedule import Schedule
 
 __all__ = ["CompletionQueueServer", "Handler", "RpcCall"]
@@ -381,14 +382,8 @@ class CompletionQueueServer:
         self._server.request_call(self._cq, self._cq, self._on_request_call)
         method = event.call_details.method.decode("utf-8", "replace")
         rpc = RpcCall(event.call, method, tuple(event.invocation_metadata or ()))
-        if self._auth is not None:
-            problem = self._auth(event.invocation_metadata)
-            if problem is not None:
-                rpc.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
-                return
-        handler = self._handlers.get(method)
+        handler = handler_for(rpc, self._handlers, self._auth)
         if handler is None:
-            rpc.abort(grpc.StatusCode.UNIMPLEMENTED, f"unknown method {method}")
             return
 
         def on_message(msg_event: Any) -> None:
@@ -396,10 +391,6 @@ class CompletionQueueServer:
                 rpc.done = True
                 return
             payload = msg_event.batch_operations[0].message()
-            try:
-                handler(rpc, payload if payload is not None else b"")
-            except Exception as exc:
-                logger.exception("handler of %s failed", method)
-                rpc.abort(grpc.StatusCode.INTERNAL, f"internal lighthouse error: {exc!r}")
+            run_handler(handler, rpc, payload if payload is not None else b"")
 
         event.call.start_server_batch((cygrpc.ReceiveMessageOperation(_NO_FLAGS),), on_message)

@@ -38,6 +38,7 @@ from typing import Any
 import grpc
 
 from ftdist._rpc import h2
+from ftdist._rpc.call import handler_for, run_handler
 from ftdist._rpc.h2_call import (
     RESERVED_METADATA,
     Connection,
@@ -365,14 +366,8 @@ class H2Server:
             )
             return
         conn.calls[event.stream_id] = call
-        if self._auth is not None:
-            problem = self._auth(call.metadata)
-            if problem is not None:
-                call.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
-                return
-        handler = self._handlers.get(method)
+        handler = handler_for(call, self._handlers, self._auth)
         if handler is None:
-            call.abort(grpc.StatusCode.UNIMPLEMENTED, f"unknown method {method}")
             return
         call.handler = handler
         call.request = bytearray()
@@ -408,11 +403,7 @@ class H2Server:
     def _dispatch(self, call: H2Call, request: bytes) -> None:
         handler = call.handler
         assert handler is not None
-        try:
-            handler(call, request)
-        except Exception as exc:
-            logger.exception("handler of %s failed", call.method)
-            call.abort(grpc.StatusCode.INTERNAL, f"internal lighthouse error: {exc!r}")
+        run_handler(handler, call, request)
 
     def _write(self, conn: Connection) -> None:
         out = conn.h2.out
