@@ -410,3 +410,45 @@ def test_out_of_descriptors_the_server_rests_then_serves_again() -> None:
         if child.returncode:
             print(err)
     assert "cannot accept connections for now" in err
+
+
+def test_answers_held_by_a_closed_window_count_toward_the_cap(
+    srv: _Fixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(h2_server, "_MAX_UNSENT_BYTES", 50_000)
+    headers = hpack.encode([(b":method", b"POST"), (b":path", b"/t.S/Echo"), (b"token", b"t0k")])
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=T) as sock:
+        # A window of 0: every answer stays queued in the server.
+        sock.sendall(h2.PREFACE + h2.frame(h2.SETTINGS, 0, 0, b"\0\4\0\0\0\0"))
+        try:
+            for sid in range(1, 401, 2):
+                sock.sendall(
+                    h2.frame(h2.HEADERS, h2.END_HEADERS, sid, headers)
+                    + h2.frame(h2.DATA, h2.END_STREAM, sid, b"\0\0\0\4\0" + b"e" * 1024)
+                )
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # already cut off
+        assert _read_until_closed(sock)
+    assert srv.unary("/t.S/Echo", b"up") == b"pu"
+
+
+def test_without_ipv6_the_wildcard_binds_ipv4(monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    real = socket.socket
+
+    def no_ipv6(family: int = socket.AF_INET, *args: object, **kwargs: object) -> socket.socket:
+        if family == socket.AF_INET6:
+            raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+        return real(family, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "socket", no_ipv6)
+    server = H2Server("[::]:0", {"/t.S/Echo": lambda call, req: call.reply(req)})
+    port = server.start()
+    monkeypatch.setattr(socket, "socket", real)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        assert channel.unary_unary("/t.S/Echo")(b"v4", timeout=T) == b"v4"
+    finally:
+        channel.close()
+        server.stop(0)

@@ -159,6 +159,19 @@ def test_request_data_replenishes_the_windows() -> None:
         (h2.PREFACE + b"\x01\0\0" + bytes([h2.DATA, 0]) + b"\0\0\0\1", "above 16384"),
         (h2.PREFACE + h2.frame(h2.WINDOW_UPDATE, 0, 0, b"\0\0\0\0"), "WINDOW_UPDATE of 0"),
         (h2.PREFACE + h2.frame(h2.SETTINGS, 0, 0, b"\0\5\0\0\0\1"), "max frame size"),
+        (h2.PREFACE + h2.frame(h2.HEADERS, h2.PRIORITY_FLAG, 1, b"\0\0"), "priority fields"),
+        (
+            # One 4 KiB field put in the table, then named 40 times: 40 bytes
+            # of block, 160 KiB of headers.
+            h2.PREFACE
+            + h2.frame(
+                h2.HEADERS,
+                h2.END_HEADERS,
+                1,
+                b"\x40\x01x" + hpack._encode_integer(4000, 7, 0) + b"v" * 4000 + b"\xbe" * 40,
+            ),
+            "header list above",
+        ),
     ],
 )
 def test_protocol_errors_queue_goaway_and_raise(wire: bytes, why: str) -> None:
@@ -180,3 +193,32 @@ def test_garbage_after_the_preface_raises_only_connection_error(chunks: list[byt
             conn.send_response(1, b"H", b"", b"m", b"T")
     except h2.ConnectionError_:
         pass
+
+
+def test_client_trailers_are_not_a_new_stream() -> None:
+    conn = _open()
+    trailers = hpack.encode([(b"x-trailer", b"1")])
+    events = conn.receive(
+        h2.frame(h2.HEADERS, h2.END_HEADERS, 1, _REQUEST)
+        + h2.frame(h2.DATA, 0, 1, b"\0\0\0\0\0")
+        + h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 1, trailers)
+    )
+    assert [(type(e).__name__, getattr(e, "opened", None)) for e in events] == [
+        ("HeadersReceived", True),
+        ("DataReceived", None),
+        ("HeadersReceived", False),
+    ]
+
+
+def test_what_waits_for_the_window_is_counted_until_sent() -> None:
+    conn = _open(initial_window=0)
+    for sid in (1, 3, 5):
+        conn.receive(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, sid, _REQUEST))
+        conn.send_response(sid, b"H", b"pp", b"x" * 98, b"T")
+    assert conn.queued_bytes == 3 * (100 + 1)  # each message and its trailers
+    assert conn.streams == 3
+    conn.receive(h2.frame(h2.RST_STREAM, 0, 3, struct.pack(">I", h2.CANCEL)))
+    assert conn.queued_bytes == 2 * 101
+    conn.receive(_settings(initial_window=1 << 20))
+    assert conn.queued_bytes == 0
+    assert conn.streams == 0

@@ -157,3 +157,11 @@ def test_garbage_decodes_or_raises_hpack_error_only(block: bytes) -> None:
 def test_encode_writes_literals_that_decode() -> None:
     fields = [(b":status", b"200"), (b"grpc-message", b"x" * 300)]
     assert hpack.Decoder().decode(hpack.encode(fields)) == fields
+
+
+def test_the_decoded_list_is_capped_not_just_the_block() -> None:
+    decoder = hpack.Decoder()
+    big = b"\x40\x01x" + hpack._encode_integer(4000, 7, 0) + b"v" * 4000
+    assert decoder.decode(big, max_list=5000) == [(b"x", b"v" * 4000)]
+    with pytest.raises(hpack.HpackError, match="header list above 5000"):
+        decoder.decode(b"\xbe" * 2, max_list=5000)

@@ -49,6 +49,9 @@ _DEFAULT_FRAME = 16_384
 # A header block larger than this ends the connection; gRPC metadata is
 # small, and the limit keeps a client from growing the server's memory.
 MAX_HEADER_BLOCK = 64 * 1024
+# Decoded, a block can be far larger than its bytes (one byte names a table
+# entry of 4 KiB); gRPC's own limit on a call's metadata is 16 KiB.
+MAX_HEADER_LIST = 16 * 1024
 
 _frame_header = struct.Struct(">BHBBI")  # length as 1 + 2 bytes, type, flags, stream
 _u32 = struct.Struct(">I")
@@ -69,6 +72,8 @@ class HeadersReceived(NamedTuple):
     stream_id: int
     headers: list[tuple[bytes, bytes]]
     end_stream: bool
+    # False for a client's trailers (HEADERS on a stream it opened before).
+    opened: bool = True
 
 
 class DataReceived(NamedTuple):
@@ -134,11 +139,22 @@ class ServerConnection:
         self._last_stream = 0
         self._continuing: tuple[int, int, bytearray] | None = None  # stream, flags, block
         self.goaway_received = False
+        self.frames_received = 0
+        # Bytes queued in streams behind flow control, not yet in ``out``.
+        self.queued_bytes = 0
         self.out += frame(
             SETTINGS,
             0,
             0,
-            struct.pack(">HIHI", _INITIAL_WINDOW_SIZE, recv_window, _ENABLE_PUSH, 0),
+            struct.pack(
+                ">HIHIHI",
+                _INITIAL_WINDOW_SIZE,
+                recv_window,
+                _ENABLE_PUSH,
+                0,
+                _MAX_HEADER_LIST_SIZE,
+                MAX_HEADER_LIST,
+            ),
         )
         if recv_window > _DEFAULT_WINDOW:
             self.out += frame(WINDOW_UPDATE, 0, 0, _u32.pack(recv_window - _DEFAULT_WINDOW))
@@ -195,6 +211,7 @@ class ServerConnection:
                 break
             payload = data[pos + 9 : pos + 9 + length]
             pos += 9 + length
+            self.frames_received += 1
             self._frame(kind, flags, stream_id & 0x7FFFFFFF, payload, events)
         return pos
 
@@ -288,6 +305,8 @@ class ServerConnection:
         except ValueError:
             self._fail(PROTOCOL_ERROR, "HEADERS padding longer than the frame")
         if flags & PRIORITY_FLAG:
+            if len(block) < 5:
+                self._fail(PROTOCOL_ERROR, "HEADERS shorter than its priority fields")
             block = block[5:]
         if flags & END_HEADERS:
             self._headers_done(sid, flags, block, events)
@@ -296,11 +315,12 @@ class ServerConnection:
 
     def _headers_done(self, sid: int, flags: int, block: bytes, events: list[Event]) -> None:
         try:
-            headers = self._decoder.decode(block)
+            headers = self._decoder.decode(block, MAX_HEADER_LIST)
         except HpackError as exc:
             self._fail(COMPRESSION_ERROR, str(exc))
         end_stream = bool(flags & END_STREAM)
-        if sid > self._last_stream:
+        opened = sid > self._last_stream
+        if opened:
             self._last_stream = sid
             self._open.add(sid)
             self._outgoing[sid] = _Outgoing(self._peer_initial_window)
@@ -308,7 +328,7 @@ class ServerConnection:
             return  # trailers of a stream this side has finished with
         if end_stream:
             self._close_stream(sid)
-        events.append(HeadersReceived(sid, headers, end_stream))
+        events.append(HeadersReceived(sid, headers, end_stream, opened))
 
     def _close_stream(self, sid: int) -> None:
         self._open.discard(sid)
@@ -364,6 +384,7 @@ class ServerConnection:
         if outgoing is None:
             return
         outgoing.queue.append((memoryview(block), _TRAILERS if end_stream else _HEADERS))
+        self.queued_bytes += len(block)
         self._flush(sid, outgoing)
 
     def send_message(self, sid: int, data: bytes) -> None:
@@ -373,6 +394,7 @@ class ServerConnection:
             return
         outgoing.queue.append((memoryview(data), _MESSAGE))
         outgoing.messages += 1
+        self.queued_bytes += len(data)
         self._flush(sid, outgoing)
 
     def send_response(
@@ -440,8 +462,15 @@ class ServerConnection:
         if self._blocked and len(self.out) < self._high_water:
             self._flush_blocked()
 
+    @property
+    def streams(self) -> int:
+        """Streams that still have something to send (or may be answered)."""
+        return len(self._outgoing)
+
     def _drop_outgoing(self, sid: int) -> None:
-        self._outgoing.pop(sid, None)
+        outgoing = self._outgoing.pop(sid, None)
+        if outgoing is not None:
+            self.queued_bytes -= sum(len(chunk) for chunk, _ in outgoing.queue)
         self._blocked.discard(sid)
 
     def _flush_blocked(self) -> None:
@@ -459,6 +488,7 @@ class ServerConnection:
             chunk, kind = queue[0]
             if kind != _MESSAGE:
                 queue.popleft()
+                self.queued_bytes -= len(chunk)
                 self._write_headers(sid, chunk, kind == _TRAILERS)
                 if kind == _TRAILERS:
                     self._drop_outgoing(sid)
@@ -477,6 +507,7 @@ class ServerConnection:
             out += chunk[:n]
             outgoing.window -= n
             self._send_window -= n
+            self.queued_bytes -= n
             if n == len(chunk):
                 queue.popleft()
                 outgoing.messages -= 1

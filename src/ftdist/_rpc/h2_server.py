@@ -194,7 +194,13 @@ class H2Server:
         for family, address in candidates:
             if self._listeners and host in ("", "::"):
                 break  # the dual-stack socket took IPv4 too
-            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                # Inside the try: a host without IPv6 refuses the socket
+                # itself, and "[::]" then falls back to IPv4.
+                sock = socket.socket(family, socket.SOCK_STREAM)
+            except OSError as exc:
+                first_error = first_error or exc
+                continue
             try:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 if family == socket.AF_INET6:
@@ -220,22 +226,28 @@ class H2Server:
         try:
             while True:
                 now = time.monotonic()
-                for target, mask in select(schedule.wait_s(now, next_keepalive - now)):
-                    if isinstance(target, Connection):
-                        if mask & READ:
-                            self._read(target)
-                        if mask & WRITE and target.sock.fileno() >= 0:
-                            self._write(target)
-                    elif target is None:
-                        self._drain_wakeups()
-                    else:
-                        self._accept(target)
-                schedule.run_due(self._stopping)
-                now = time.monotonic()
-                if now >= next_keepalive:
-                    next_keepalive = now + _KEEPALIVE_CHECK_S
-                    self._keepalive(now)
-                self._flush()
+                try:
+                    for target, mask in select(schedule.wait_s(now, next_keepalive - now)):
+                        if isinstance(target, Connection):
+                            if mask & READ:
+                                self._read(target)
+                            if mask & WRITE and target.sock.fileno() >= 0:
+                                self._write(target)
+                        elif target is None:
+                            self._drain_wakeups()
+                        else:
+                            self._accept(target)
+                    schedule.run_due(self._stopping)
+                    now = time.monotonic()
+                    if now >= next_keepalive:
+                        next_keepalive = now + _KEEPALIVE_CHECK_S
+                        self._keepalive(now)
+                    self._flush()
+                except Exception:
+                    # Whatever went wrong in one pass, the server goes on:
+                    # the lighthouse has no other thread to serve its job.
+                    logger.exception("gRPC server loop failed; going on")
+                    time.sleep(0.01)  # never a hot loop on a repeating error
                 if self._stopping and self._shutdown_due(now):
                     break
         finally:
@@ -274,11 +286,17 @@ class H2Server:
             if self._stopping:
                 sock.close()
                 continue
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = Connection(sock, self._dirty, self._recv_window)
+            try:
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._selector.register(sock, READ, conn)
+            except OSError as exc:
+                # epoll full (max_user_watches) or the peer already gone.
+                logger.warning("gRPC server dropped a new connection: %s", exc)
+                sock.close()
+                continue
             self._conns.add(conn)
-            self._selector.register(sock, READ, conn)
             conn.mark_dirty()  # our SETTINGS go out first
 
     def _resume(self, listener: socket.socket) -> None:
@@ -295,7 +313,7 @@ class H2Server:
         if not data:
             self._close(conn)
             return
-        conn.last_recv = time.monotonic()
+        frames = conn.h2.frames_received
         try:
             events = conn.h2.receive(data)
         except h2.ConnectionError_ as exc:
@@ -308,12 +326,17 @@ class H2Server:
             logger.exception("gRPC server failed to read a connection; closing it")
             self._close(conn)
             return
+        if conn.h2.frames_received != frames:
+            # Whole frames, not bytes: a client that trickles a byte at a
+            # time is still pinged, and closed when it cannot answer.
+            conn.last_recv = time.monotonic()
         for event in events:
             try:
                 self._event(conn, event)
             except Exception:
                 logger.exception("gRPC server failed on %r", event)
-        if len(conn.h2.out) > _MAX_UNSENT_BYTES or conn.buffered > _MAX_BUFFERED_REQUEST_BYTES:
+        unsent = len(conn.h2.out) + conn.h2.queued_bytes
+        if unsent > _MAX_UNSENT_BYTES or conn.buffered > _MAX_BUFFERED_REQUEST_BYTES:
             # A client that makes the server queue answers it never reads
             # (PINGs, resets), or opens calls it never finishes, is cut off
             # before it can grow this process without bound.
@@ -329,7 +352,9 @@ class H2Server:
         if type(event) is h2.HeadersReceived:
             call = conn.calls.get(event.stream_id)
             if call is None:
-                self._new_call(conn, event)
+                if event.opened:
+                    self._new_call(conn, event)
+                # else: trailers of a call already answered
             elif event.end_stream:
                 self._request_end(call)
         elif type(event) is h2.DataReceived:
@@ -359,7 +384,7 @@ class H2Server:
         if self._stopping:
             call.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
             return
-        if len(conn.calls) >= _MAX_CALLS_PER_CONNECTION:
+        if max(len(conn.calls), conn.h2.streams - 1) >= _MAX_CALLS_PER_CONNECTION:
             call.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{_MAX_CALLS_PER_CONNECTION} calls are open on this connection",

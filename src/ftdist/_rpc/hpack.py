@@ -267,17 +267,23 @@ class Decoder:
             _huffman_cache[raw] = decoded
         return decoded, end
 
-    def decode(self, data: bytes) -> list[tuple[bytes, bytes]]:
+    def decode(self, data: bytes, max_list: int = 1 << 30) -> list[tuple[bytes, bytes]]:
         """Decode one complete header block.
 
+        Args:
+            data: the block.
+            max_list: the largest header list accepted, counted as HTTP/2
+                does (each field's name and value plus 32 bytes).
+
         Raises:
-            HpackError: if the block is malformed; the connection cannot go on.
+            HpackError: if the block is malformed or its list is above
+                ``max_list``; the connection cannot go on.
         """
         cached = self._blocks.get(data)
         if cached is not None and cached[0] == self._version:
             return list(cached[1])
         version = self._version
-        headers = self._decode(data)
+        headers = self._decode(data, max_list)
         if self._version == version and len(data) <= _CACHED_BYTES:
             if len(self._blocks) >= _BLOCK_CACHE_ENTRIES:
                 self._blocks.clear()
@@ -285,21 +291,26 @@ class Decoder:
             return list(headers)
         return headers
 
-    def _decode(self, data: bytes) -> list[tuple[bytes, bytes]]:
+    def _decode(self, data: bytes, max_list: int) -> list[tuple[bytes, bytes]]:
         headers: list[tuple[bytes, bytes]] = []
         pos = 0
         end = len(data)
+        size = 0
         while pos < end:
+            if size > max_list:
+                raise HpackError(f"header list above {max_list} bytes")
             first = data[pos]
             if first & 0x80:
                 index, pos = _integer(data, pos, 7)
-                headers.append(self._field(index))
+                field = self._field(index)
+                headers.append(field)
+                size += len(field[0]) + len(field[1]) + 32
                 continue
             if first & 0xE0 == 0x20:
-                size, pos = _integer(data, pos, 5)
-                if size > self._limit:
-                    raise HpackError(f"table size update to {size} is above {self._limit}")
-                self._max = size
+                table_size, pos = _integer(data, pos, 5)
+                if table_size > self._limit:
+                    raise HpackError(f"table size update to {table_size} is above {self._limit}")
+                self._max = table_size
                 self._version += 1
                 self._evict()
                 continue
@@ -313,6 +324,9 @@ class Decoder:
             if indexing:
                 self._add(name, value)
             headers.append((name, value))
+            size += len(name) + len(value) + 32
+        if size > max_list:
+            raise HpackError(f"header list above {max_list} bytes")
         return headers
 
 

@@ -49,6 +49,7 @@ class Schedule:
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._timer_seq = 0
         self._next_tick = time.monotonic() + tick_period_s
+        self._stopping = False
         self.thread: threading.Thread | None = None
 
     def call_soon(self, fn: Callable[[], None]) -> None:
@@ -93,7 +94,7 @@ class Schedule:
         if self._commands:
             return 0.0
         wait = min(longest, self._next_tick - now)
-        if self._timers:
+        if self._timers and not self._stopping:
             wait = min(wait, self._timers[0][0] - now)
         return max(0.0, wait)
 
@@ -104,9 +105,13 @@ class Schedule:
                 self._commands.popleft()()
             except Exception:
                 logger.exception("scheduled call failed")
-        if stopping:
-            return
         now = time.monotonic()
+        self._stopping = stopping
+        if stopping:
+            # Neither timers nor the tick run any more; the next tick time
+            # still moves on, or wait_s() would say 0 for the whole grace.
+            self._next_tick = max(self._next_tick, now + self._tick_period_s)
+            return
         while self._timers and self._timers[0][0] <= now:
             _, _, due = heapq.heappop(self._timers)
             try:
