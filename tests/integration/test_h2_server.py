@@ -15,6 +15,7 @@ import pytest
 
 from ftdist._rpc import h2, h2_server, hpack
 from ftdist._rpc.h2_server import H2Call, H2Server
+from tests.integration.lighthouse_helpers import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -152,14 +153,11 @@ def test_a_deadline_or_a_disconnect_cancels_a_parked_call(srv: _Fixture) -> None
     future = other.unary_unary("/t.S/Park").future(
         b"disconnect", timeout=T, metadata=(("token", "t0k"),)
     )
-    deadline = time.monotonic() + T
-    while len(srv.parked) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: len(srv.parked) == 2, T)
     other.close()
     with pytest.raises(grpc.RpcError):
         future.result()
-    while len(srv.cancelled) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: len(srv.cancelled) == 2, T)
     assert sorted(srv.cancelled) == ["deadline", "disconnect"]
     assert all(call.cancelled and call.done for call in srv.parked)
 
@@ -169,9 +167,7 @@ def test_calls_answered_later_from_other_threads(srv: _Fixture) -> None:
         b"later", timeout=T, metadata=(("token", "t0k"),)
     )
     assert srv.server.run(lambda: 42) == 42
-    deadline = time.monotonic() + T
-    while not srv.parked and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: bool(srv.parked), T)
     threading.Thread(
         target=lambda: srv.server.call_later(0.05, lambda: srv.parked[0].reply(b"done"))
     ).start()
@@ -231,9 +227,7 @@ def test_a_peer_that_stops_answering_pings_loses_its_calls(
             + h2.frame(h2.DATA, h2.END_STREAM, 1, b"\0\0\0\0\6silent")
         )
         # Reads nothing more and acknowledges no PING, like a host that died.
-        deadline = time.monotonic() + T
-        while srv.cancelled != ["silent"] and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: srv.cancelled == ["silent"], T)
     assert srv.cancelled == ["silent"]
 
 
@@ -241,9 +235,7 @@ def test_stop_cancels_what_is_parked_and_frees_the_port(srv: _Fixture) -> None:
     future = srv.channel.unary_unary("/t.S/Park").future(
         b"parked", timeout=T, metadata=(("token", "t0k"),)
     )
-    deadline = time.monotonic() + T
-    while not srv.parked and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: bool(srv.parked), T)
     srv.server.stop(0.2)
     with pytest.raises(grpc.RpcError):
         future.result()
@@ -291,9 +283,7 @@ def test_a_peer_that_answers_pings_keeps_its_calls(
                     sock.sendall(h2.frame(h2.PING, h2.ACK, 0, payload))
         assert pings >= 2
         assert srv.cancelled == []
-    deadline = time.monotonic() + T
-    while srv.cancelled != ["kept"] and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: srv.cancelled == ["kept"], T)
     assert srv.cancelled == ["kept"]  # closing the socket cancels it
 
 
@@ -337,9 +327,7 @@ def test_calls_per_connection_are_capped(srv: _Fixture, monkeypatch: pytest.Monk
         )
         for i in range(3)
     ]
-    deadline = time.monotonic() + T
-    while len(srv.parked) < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: len(srv.parked) == 3, T)
     with pytest.raises(grpc.RpcError) as exc:
         srv.unary("/t.S/Echo", b"fourth")
     assert _code(exc) == grpc.StatusCode.RESOURCE_EXHAUSTED
