@@ -95,6 +95,7 @@ GiB = 1 << 30
 CTL_TIMEOUT = timedelta(seconds=120)
 _RAW = "raw TCP socket, touched buffer (ref.)"
 _RAW_LOCAL = "raw Unix socket, touched buffer (ref.)"
+_ROUTE_LABELS = {"tcp": ", TCP", "local": ", local socket", "direct": ", direct read"}
 Targets = list[tuple[str, bool, str]]
 
 
@@ -605,14 +606,17 @@ def transport_rank(
         del data
 
     # Each HTTP row over TCP (the receiver given only the address, as a peer
-    # on another host reaches it) and over the local socket (the metadata).
+    # on another host reaches it), over the local socket (the metadata, with
+    # direct reads off) and as a direct read of the source's memory (the
+    # metadata, the default).
     http_rows = [
-        (chunks, in_place, local)
+        (chunks, in_place, route)
         for chunks, in_place in [(c, False) for c in chunk_rows] + [(0, True)]
-        for local in (False, True)
+        for route in ("tcp", "local", "direct")
     ]
-    for chunks, in_place, local in http_rows:
-        key = f"{chunks}/{in_place}/{local}"
+    for chunks, in_place, route in http_rows:
+        local = route != "tcp"
+        key = f"{chunks}/{in_place}/{route}"
         mine: dict[str, torch.Tensor] | None = None
         if in_place and not src:
             mine = {f"layer{i}": torch.zeros(numel) for i in range(n_tensors)}
@@ -621,6 +625,7 @@ def transport_rank(
             num_chunks=chunks,
             hostname="127.0.0.1",
             state_dict=_returns(mine) if mine is not None else None,
+            direct_reads=route == "direct",
         )
         try:
             if src:
@@ -636,13 +641,13 @@ def transport_rank(
                     stats = tr.last_transfer
                     assert stats is not None
                     rows.append({"bytes": stats.nbytes, "s": stats.seconds})
-                    if stats.route != ("local" if local else "tcp"):
+                    if stats.route != route:
                         raise RuntimeError(f"{key}: the transfer went over {stats.route}")
                     check(got_sd)
                     del got_sd
                 label = f"HTTPTransport num_chunks={chunks}"
                 label += ", in place (state_dict=)" if in_place else ""
-                out[label + (", local socket" if local else ", TCP")] = rows
+                out[label + _ROUTE_LABELS[route]] = rows
                 _store_barrier(store, f"http_done/{key}")
         finally:
             tr.shutdown()
@@ -1218,6 +1223,7 @@ def part_transport(args: argparse.Namespace, targets: Targets) -> None:
     for label, ref in (
         ("HTTPTransport num_chunks=0, TCP", _RAW),
         ("HTTPTransport num_chunks=0, local socket", _RAW_LOCAL),
+        ("HTTPTransport num_chunks=0, direct read", _RAW_LOCAL),
         ("PGTransport (ProcessGroupGloo)", _RAW),
     ):
         raw = statistics.median(r["bytes"] / r["s"] / GB for r in res[ref])

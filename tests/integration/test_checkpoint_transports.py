@@ -86,12 +86,18 @@ def transports() -> Iterator[tuple[HTTPTransport[State], HTTPTransport[State]]]:
 
 
 # How a receiver reaches its source: the metadata it is given, and the route
-# the bytes must then take.
-ROUTES = ["local", "tcp", "elsewhere"]
+# the bytes must then take. "direct" copies from the source's memory (the
+# default on this host), "local" streams over the local socket (a receiver
+# with direct reads off).
+ROUTES = ["direct", "local", "tcp", "elsewhere"]
+
+
+def _receiver(route: str, **kwargs: Any) -> HTTPTransport[State]:
+    return HTTPTransport[State](TIMEOUT, direct_reads=route != "local", **kwargs)
 
 
 def _metadata(src: HTTPTransport[Any], route: str) -> str:
-    if route == "local":  # the source's own metadata: it is on this host
+    if route in ("direct", "local"):  # the source's own metadata: it is on this host
         return src.metadata()
     if route == "elsewhere":  # a source on another host: its local socket is not here
         return f"{src.address()}#local=ftdist-checkpoint-{'0' * 32}"
@@ -102,7 +108,7 @@ def _metadata(src: HTTPTransport[Any], route: str) -> str:
 
 def _check_route(dst: HTTPTransport[Any], route: str) -> None:
     assert dst.last_transfer is not None
-    assert dst.last_transfer.route == ("local" if route == "local" else "tcp")
+    assert dst.last_transfer.route == (route if route in ("direct", "local") else "tcp")
 
 
 @pytest.mark.timeout(30)
@@ -110,15 +116,19 @@ def _check_route(dst: HTTPTransport[Any], route: str) -> None:
 def test_http_round_trip_is_exact(
     transports: tuple[HTTPTransport[State], HTTPTransport[State]], route: str
 ) -> None:
-    src, dst = transports
-    state = _state()
-    src.send_checkpoint([1], step=7, state_dict=state, timeout=TIMEOUT)
-    got = dst.recv_checkpoint(0, _metadata(src, route), step=7, timeout=TIMEOUT)
-    _assert_same(state, got)
-    assert got["model"]["w_t"].stride() == (1, 33)  # a transposed tensor arrives transposed
-    assert dst.last_transfer is not None and dst.last_transfer.nbytes > 64 * 33 * 4
-    _check_route(dst, route)
-    src.disallow_checkpoint()
+    src, _ = transports
+    dst = _receiver(route, hostname="127.0.0.1")
+    try:
+        state = _state()
+        src.send_checkpoint([1], step=7, state_dict=state, timeout=TIMEOUT)
+        got = dst.recv_checkpoint(0, _metadata(src, route), step=7, timeout=TIMEOUT)
+        _assert_same(state, got)
+        assert got["model"]["w_t"].stride() == (1, 33)  # a transposed tensor arrives transposed
+        assert dst.last_transfer is not None and dst.last_transfer.nbytes > 64 * 33 * 4
+        _check_route(dst, route)
+        src.disallow_checkpoint()
+    finally:
+        dst.shutdown()
 
 
 def _impostor(name: str, report: int) -> None:
@@ -211,7 +221,7 @@ def test_a_bad_local_socket_setting_fails_before_any_server_starts(
 @pytest.mark.parametrize("route", ROUTES)
 def test_http_chunks_in_parallel(route: str) -> None:
     src = HTTPTransport[State](TIMEOUT, num_chunks=3, hostname="::1")
-    dst = HTTPTransport[State](TIMEOUT, num_chunks=3, hostname="::1")
+    dst = _receiver(route, num_chunks=3, hostname="::1")
     try:
         state = _state(1)
         src.send_checkpoint([1], 3, state, TIMEOUT)
@@ -464,7 +474,7 @@ def test_the_job_token_gates_checkpoint_fetches(
     open_client = HTTPTransport[State](TIMEOUT, hostname="127.0.0.1")
     wrong = HTTPTransport[State](TIMEOUT, hostname="127.0.0.1", token="guess")
     monkeypatch.setenv(_auth.ENV_TOKEN, "s3cret")
-    from_env = HTTPTransport[State](TIMEOUT, hostname="127.0.0.1")  # the token from the environment
+    from_env = _receiver(route, hostname="127.0.0.1")  # the token from the environment
     try:
         state = _state()
         src.send_checkpoint([1], 3, state, TIMEOUT)

@@ -22,8 +22,9 @@ def test_replicas_train_in_lockstep_and_end_bit_identical(lh: Lighthouses, group
     # step 0, so straight into its own tensors (nothing committed was there).
     received = [h for r in results for h in r["heals"] if h["role"] == "receive"]
     assert received
-    # Both replica groups run on this host: the heal went over the source's local socket.
-    assert {h["route"] for h in received} == {"local"}, received
+    # Both replica groups run on this host: the heal copied straight from the
+    # source's memory, asked for over its local socket.
+    assert {h["route"] for h in received} == {"direct"}, received
     assert [load for r in results for load in r["loads"]] == [(True, True)] * group_size
 
 

@@ -36,7 +36,7 @@ import struct
 import zlib
 from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -334,6 +334,25 @@ class StreamReader:
             raw += piece
         return parse_header(bytes(raw), header_crc, body_len, self.what)
 
+    def read_exact(self, nbytes: int) -> bytes:
+        """The next ``nbytes`` of the exchange that are not stream bytes (not summed or counted).
+
+        Raises:
+            CheckpointError: the stream ends first.
+        """
+        raw = bytearray(nbytes)
+        self._fill(memoryview(raw), count=False)
+        return bytes(raw)
+
+    def absorb(self, piece: memoryview) -> None:
+        """Sum and count tensor bytes that arrived another way (a direct memory read)."""
+        self._digest.update(piece)
+        self.total += len(piece)
+
+    def end_tensor(self) -> None:
+        """One tensor's bytes are all in."""
+        self._digest.end_segment()
+
     def read_into(self, flat: torch.Tensor, progress: Callable[[int], None] | None = None) -> None:
         """Fill a 1-D uint8 CPU tensor (one tensor's bytes) from the stream.
 
@@ -346,7 +365,7 @@ class StreamReader:
             self._digest.update(piece)
             if progress is not None:
                 progress(len(piece))
-        self._digest.end_segment()
+        self.end_tensor()
 
     def read_trailer(self) -> None:
         """Check the trailer against what was read.
@@ -404,6 +423,16 @@ def allocate(meta: LeafMeta, device: torch.device) -> torch.Tensor:
     return t
 
 
+class BodySource(Protocol):
+    """Where a stream's tensor bytes come from when not from the stream itself."""
+
+    def fill(self, position: int, flat: torch.Tensor, progress: Callable[[int], None]) -> None:
+        """Fill the ``position``-th carried tensor's bytes (and account for them in the reader)."""
+
+    def finish(self) -> None:
+        """Every tensor is filled; the trailer comes next."""
+
+
 def read_leaves(
     reader: StreamReader,
     step: int,
@@ -411,6 +440,7 @@ def read_leaves(
     size: int | None = None,
     targets: Callable[[Header], Mapping[int, torch.Tensor]] | None = None,
     progress: Callable[[int], None] | None = None,
+    body: Callable[[Header], BodySource | None] | None = None,
 ) -> tuple[Header, dict[int, torch.Tensor]]:
     """Read one stream: the header and {leaf index: tensor}.
 
@@ -424,12 +454,15 @@ def read_leaves(
             in place, by leaf index (see :mod:`._targets`); the other leaves
             get fresh tensors.
         progress: told the size of each piece of tensor data received.
+        body: given the checked header, where the tensor bytes come from
+            instead of the stream (a direct memory read), or None for the
+            stream.
 
     Raises:
         CheckpointError: wrong step, malformed, truncated or corrupted stream.
     """
     try:
-        return _read_leaves(reader, step, device, size, targets, progress)
+        return _read_leaves(reader, step, device, size, targets, progress, body)
     finally:
         reader.close()
 
@@ -441,9 +474,11 @@ def _read_leaves(
     size: int | None,
     targets: Callable[[Header], Mapping[int, torch.Tensor]] | None,
     progress: Callable[[int], None] | None,
+    body: Callable[[Header], BodySource | None] | None,
 ) -> tuple[Header, dict[int, torch.Tensor]]:
     header = reader.read_header(size)
     check_step(header, step, reader.what)
+    source = body(header) if body is not None else None
     own = targets(header) if targets is not None else {}
     cpu = torch.device("cpu")
     got: dict[int, torch.Tensor] = {}
@@ -457,13 +492,18 @@ def _read_leaves(
                 prefault.advance(nbytes)
                 progress(nbytes)
 
-        for _, index, t in staged_leaves(header, own, cpu, prefault):
-            reader.read_into(flat_bytes(t), advance)
+        for pos, index, t in staged_leaves(header, own, cpu, prefault):
+            if source is None:
+                reader.read_into(flat_bytes(t), advance)
+            else:
+                source.fill(pos, flat_bytes(t), advance)
             meta = header.leaves[index]
             place = (
                 cpu if index in own or device is None or meta.kind == "ndarray" else device(meta)
             )
             got[index] = t if place.type == "cpu" else t.to(place)
+    if source is not None:
+        source.finish()
     reader.read_trailer()
     return header, got
 

@@ -9,6 +9,12 @@ spelled out here (docs/configuration.md lists them all):
     ``1`` (the default) or ``0``: whether an ``HTTPTransport`` also serves
     peers on its own host over an abstract Unix socket. Off, every heal goes
     over TCP (a sandbox that forbids Unix sockets, or a comparison).
+
+``FTDIST_CHECKPOINT_DIRECT_READS``
+    ``1`` (the default) or ``0``: whether a heal from a peer on the same host
+    copies the state straight out of the peer's memory (``process_vm_readv``,
+    where the kernel allows it) instead of streaming it over the local
+    socket. Off on either side, the bytes stream.
 """
 
 from __future__ import annotations
@@ -16,9 +22,10 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-__all__ = ["ENV_LOCAL_SOCKET", "local_socket"]
+__all__ = ["ENV_DIRECT_READS", "ENV_LOCAL_SOCKET", "direct_reads", "local_socket"]
 
 ENV_LOCAL_SOCKET = "FTDIST_CHECKPOINT_LOCAL_SOCKET"
+ENV_DIRECT_READS = "FTDIST_CHECKPOINT_DIRECT_READS"
 _ON = {"1", "true", "yes", "on"}
 _OFF = {"0", "false", "no", "off"}
 
@@ -34,12 +41,37 @@ def local_socket(argument: bool | None = None, environ: Mapping[str, str] | None
     if argument is not None:
         return argument
     env = os.environ if environ is None else environ
-    value = env.get("FTDIST_CHECKPOINT_LOCAL_SOCKET", "").strip().lower()
+    return _switch(
+        "FTDIST_CHECKPOINT_LOCAL_SOCKET",
+        env.get("FTDIST_CHECKPOINT_LOCAL_SOCKET", ""),
+        "serve peers on this host over a local socket, the default",
+        "TCP only",
+    )
+
+
+def direct_reads(argument: bool | None = None, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether heals between processes on this host may copy straight from the source's
+    memory: ``argument``, else ``FTDIST_CHECKPOINT_DIRECT_READS``, else yes.
+
+    Raises:
+        ValueError: the variable is set to something other than 1/0 (or true/false,
+            yes/no, on/off).
+    """
+    if argument is not None:
+        return argument
+    env = os.environ if environ is None else environ
+    return _switch(
+        "FTDIST_CHECKPOINT_DIRECT_READS",
+        env.get("FTDIST_CHECKPOINT_DIRECT_READS", ""),
+        "copy a same-host peer's state straight from its memory, the default",
+        "always stream over the socket",
+    )
+
+
+def _switch(name: str, raw: str, on: str, off: str) -> bool:
+    value = raw.strip().lower()
     if not value or value in _ON:
         return True
     if value in _OFF:
         return False
-    raise ValueError(
-        f"FTDIST_CHECKPOINT_LOCAL_SOCKET={value!r} is not understood: set it to 1 (serve peers on "
-        "this host over a local socket, the default) or 0 (TCP only)"
-    )
+    raise ValueError(f"{name}={value!r} is not understood: set it to 1 ({on}) or 0 ({off})")

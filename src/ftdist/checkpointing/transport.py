@@ -20,7 +20,9 @@ class TransferStats:
         nbytes: bytes that crossed the wire.
         seconds: wall time of the transfer.
         route: how they travelled: ``"tcp"``, ``"local"`` (a Unix socket:
-            the source is on this host), ``"local+tcp"`` (chunks over both),
+            the source is on this host), ``"direct"`` (copied out of the
+            source's memory on this host), ``"direct+tcp"`` or
+            ``"local+tcp"`` (chunks over both),
             ``"process group"``, or ``""`` where the transport does not say.
     """
 

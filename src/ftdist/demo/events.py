@@ -184,7 +184,7 @@ class HealEvent(_Event):
         transfer_s: time moving them.
         load_s: applying the received state.
         total_s: the sum of the phases.
-        route: how the bytes travelled (``"tcp"``, ``"local"``, ``"process
+        route: how the bytes travelled (``"tcp"``, ``"local"``, ``"direct"``, ``"process
             group"``; "" when not received, or in a log written before it was
             recorded).
     """
