@@ -22,7 +22,10 @@ over torchft's (``--against none`` skips torchft).
 **Clients.** ``--client native`` (the default where torchft is installed) is
 torchft's own ``LighthouseClient`` (Rust, one per replica group, each called
 from its own thread, as torchft's managers call it); ``--client aio`` is N
-``grpc.aio`` channels in one asyncio loop.
+``grpc.aio`` channels in one asyncio loop. ``--client-procs K`` spreads the
+native clients over K processes (real managers are separate processes: in
+one, the N threads that turn N-member quorums into Python objects all queue
+for one GIL); the default, 1, keeps them in this one.
 
 Run it: ``python bench/lighthouse.py [--sizes 2,64,256,512,1024] [--rounds R]``.
 
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
 import shlex
 import shutil
@@ -48,6 +52,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -141,6 +146,20 @@ async def _run_size(
         await asyncio.gather(*(r.channel.close() for r in replicas))
 
 
+def _native_round(client: Any, replica_id: str, step: int, deadline: timedelta) -> int:
+    """One group's round with torchft's native client: a heartbeat, then a quorum; its size."""
+    client.heartbeat(replica_id, timeout=deadline)
+    quorum = client.quorum(
+        replica_id=replica_id,
+        timeout=deadline,
+        address=f"http://127.0.0.1:1/{replica_id}",
+        store_address="127.0.0.1:2",
+        step=step,
+        world_size=1,
+    )
+    return len(quorum.participants)
+
+
 def _run_size_native(
     address: str, n: int, rounds: int, timeout: float
 ) -> tuple[float, list[float]]:
@@ -161,16 +180,7 @@ def _run_size_native(
             for step in range(rounds + 1):
                 go.wait()
                 try:
-                    clients[i].heartbeat(replica_id, timeout=deadline)
-                    quorum = clients[i].quorum(
-                        replica_id=replica_id,
-                        timeout=deadline,
-                        address=f"http://127.0.0.1:1/{replica_id}",
-                        store_address="127.0.0.1:2",
-                        step=step,
-                        world_size=1,
-                    )
-                    sizes[i] = len(quorum.participants)
+                    sizes[i] = _native_round(clients[i], replica_id, step, deadline)
                 except Exception as exc:  # reported by the main thread
                     errors.append(exc)
                 ends[i] = time.perf_counter()
@@ -197,6 +207,105 @@ def _run_size_native(
         done.abort()
         for thread in threads:
             thread.join(timeout)
+    return latencies[0], latencies[1:]
+
+
+def _member_process(
+    address: str,
+    first: int,
+    count: int,
+    rounds: int,
+    timeout: float,
+    go: Any,
+    done: Any,
+    results: Any,
+) -> None:
+    """One client process: ``count`` groups from ``first``, reporting each round's last end."""
+    from torchft._torchft import LighthouseClient
+
+    deadline = timedelta(seconds=timeout)
+    ids = [f"replica_{i:04d}" for i in range(first, first + count)]
+    clients = [LighthouseClient(f"http://{address}", deadline) for _ in ids]
+    start = threading.Barrier(count + 1, timeout=timeout)
+    end = threading.Barrier(count + 1, timeout=timeout)
+    ends = [0.0] * count
+    faults: list[str] = []
+
+    def member(i: int) -> None:
+        for step in range(rounds + 1):
+            start.wait()
+            try:
+                members = _native_round(clients[i], ids[i], step, deadline)
+                if members != results.expected:
+                    faults.append(
+                        f"round {step}: expected {results.expected} members, got {members}"
+                    )
+            except Exception as exc:  # reported to the parent
+                faults.append(f"round {step}: {exc!r}")
+            ends[i] = time.perf_counter()
+            end.wait()
+
+    threads = [threading.Thread(target=member, args=(i,), daemon=True) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for _ in range(rounds + 1):
+        go.wait()
+        start.wait()
+        end.wait()
+        results.queue.put((max(ends), list(faults)))
+        faults.clear()
+        done.wait()
+    for thread in threads:
+        thread.join(timeout)
+
+
+class _Results:
+    """What client processes share with the parent (picklable for spawn)."""
+
+    def __init__(self, queue: Any, expected: int) -> None:
+        self.queue = queue
+        self.expected = expected
+
+
+def _run_size_procs(
+    address: str, n: int, rounds: int, timeout: float, procs: int
+) -> tuple[float, list[float]]:
+    """The rounds with torchft's native clients in ``procs`` processes, a thread per group."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = max(1, min(procs, n))
+    go = ctx.Barrier(procs + 1, timeout=timeout)
+    done = ctx.Barrier(procs + 1, timeout=timeout)
+    results = _Results(ctx.Queue(), n)
+    shares = [n // procs + (1 if k < n % procs else 0) for k in range(procs)]
+    children = []
+    first = 0
+    for share in shares:
+        child = ctx.Process(
+            target=_member_process,
+            args=(address, first, share, rounds, timeout, go, done, results),
+            daemon=True,
+        )
+        child.start()
+        children.append(child)
+        first += share
+    latencies: list[float] = []
+    try:
+        for step in range(rounds + 1):
+            go.wait()
+            begin = time.perf_counter()
+            reports = [results.queue.get(timeout=timeout) for _ in children]
+            done.wait()
+            latencies.append(max(end for end, _ in reports) - begin)
+            faults = [fault for _, found in reports for fault in found]
+            if faults:
+                raise RuntimeError(f"round {step}: {faults[0]}")
+    finally:
+        go.abort()
+        done.abort()
+        for child in children:
+            child.join(timeout)
+            if child.is_alive():
+                child.kill()
     return latencies[0], latencies[1:]
 
 
@@ -250,6 +359,13 @@ def main() -> int:
         help="torchft's native LighthouseClient per group, or grpc.aio channels "
         "[default: native where torchft is installed]",
     )
+    parser.add_argument(
+        "--client-procs",
+        type=int,
+        default=1,
+        help="with --client native: spread the N clients over this many processes "
+        "[default: 1, all in this one]",
+    )
     parser.add_argument("--timeout", type=float, default=60.0, help="per-RPC timeout, seconds")
     parser.add_argument(
         "--token",
@@ -264,7 +380,8 @@ def main() -> int:
     if args.against == "torchft" and _torchft_server_cmd() is None:
         parser.error("--against torchft: torchft_lighthouse is not installed")
 
-    print(f"client: {args.client}; {_load()}")
+    procs = f" in {args.client_procs} processes" if args.client == "native" else ""
+    print(f"client: {args.client}{procs}; {_load()}")
     print(
         f"{'N':>5} {'server':>7} {'token':>5} {'first quorum':>13} {'p50 round':>10} "
         f"{'p99 round':>10} {'rounds':>7}  {'mean':>9}"
@@ -340,7 +457,11 @@ def _measure(
         address = f"127.0.0.1:{port}"
         _wait_ready(address, proc, deadline_s=30.0)
         run: Callable[[], tuple[float, list[float]]]
-        if args.client == "native":
+        if args.client == "native" and args.client_procs > 1:
+            run = lambda: _run_size_procs(  # noqa: E731
+                address, n, rounds, args.timeout, args.client_procs
+            )
+        elif args.client == "native":
             run = lambda: _run_size_native(address, n, rounds, args.timeout)  # noqa: E731
         else:
             sent = _BENCH_TOKEN if send else None

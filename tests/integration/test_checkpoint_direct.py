@@ -334,21 +334,24 @@ def _ask(src: HTTPTransport[State], step: int) -> tuple[socket.socket, list[tupl
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("verdict", [b"X", b""])
 def test_a_client_that_garbles_its_verdict_costs_its_connection_only(
-    transports: tuple[HTTPTransport[State], HTTPTransport[State]], verdict: bytes
+    receiver: HTTPTransport[State], verdict: bytes
 ) -> None:
-    src, dst = transports
-    state = _state()
-    src.send_checkpoint([1], 3, state, TIMEOUT)
-    conn, entries = _ask(src, 3)
-    assert len(entries) == 6 and entries[-1][1] == (3 << 20) * 4
-    with conn:
-        if verdict:
-            conn.sendall(verdict)
-        else:
-            conn.shutdown(socket.SHUT_WR)  # gone without a word
-        assert conn.recv(100) == b""  # no trailer: the source hung up
-    _assert_same(state, dst.recv_checkpoint(0, src.metadata(), 3, TIMEOUT))
-    assert dst.last_transfer is not None and dst.last_transfer.route == "direct"
+    src = HTTPTransport[State](TIMEOUT, hostname="127.0.0.1")
+    try:
+        state = _state()
+        src.send_checkpoint([1], 3, state, TIMEOUT)
+        conn, entries = _ask(src, 3)
+        assert len(entries) == 6 and entries[-1][1] == (3 << 20) * 4
+        with conn:
+            if verdict:
+                conn.sendall(verdict)
+            else:
+                conn.shutdown(socket.SHUT_WR)  # gone without a word
+            assert conn.recv(100) == b""  # no trailer: the source hung up
+        _assert_same(state, receiver.recv_checkpoint(0, src.metadata(), 3, TIMEOUT))
+        assert receiver.last_transfer is not None and receiver.last_transfer.route == "direct"
+    finally:
+        src.shutdown()
 
 
 @pytest.mark.timeout(60)
@@ -378,15 +381,6 @@ def test_a_reader_that_never_answers_cannot_hold_the_state() -> None:
             assert conn.recv(100) == b""
     finally:
         src.shutdown()
-
-
-@pytest.fixture
-def transports() -> Iterator[tuple[HTTPTransport[State], HTTPTransport[State]]]:
-    src = HTTPTransport[State](TIMEOUT, hostname="127.0.0.1")
-    dst = HTTPTransport[State](TIMEOUT, hostname="127.0.0.1")
-    yield src, dst
-    src.shutdown()
-    dst.shutdown()
 
 
 # -- the kernel call ---------------------------------------------------------------------------

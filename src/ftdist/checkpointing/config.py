@@ -38,12 +38,10 @@ def local_socket(argument: bool | None = None, environ: Mapping[str, str] | None
         ValueError: the variable is set to something other than 1/0 (or true/false,
             yes/no, on/off).
     """
-    if argument is not None:
-        return argument
-    env = os.environ if environ is None else environ
     return _switch(
+        argument,
         "FTDIST_CHECKPOINT_LOCAL_SOCKET",
-        env.get("FTDIST_CHECKPOINT_LOCAL_SOCKET", ""),
+        environ,
         "serve peers on this host over a local socket, the default",
         "TCP only",
     )
@@ -57,19 +55,21 @@ def direct_reads(argument: bool | None = None, environ: Mapping[str, str] | None
         ValueError: the variable is set to something other than 1/0 (or true/false,
             yes/no, on/off).
     """
-    if argument is not None:
-        return argument
-    env = os.environ if environ is None else environ
     return _switch(
+        argument,
         "FTDIST_CHECKPOINT_DIRECT_READS",
-        env.get("FTDIST_CHECKPOINT_DIRECT_READS", ""),
+        environ,
         "copy a same-host peer's state straight from its memory, the default",
         "always stream over the socket",
     )
 
 
-def _switch(name: str, raw: str, on: str, off: str) -> bool:
-    value = raw.strip().lower()
+def _switch(
+    argument: bool | None, name: str, environ: Mapping[str, str] | None, on: str, off: str
+) -> bool:
+    if argument is not None:
+        return argument
+    value = (os.environ if environ is None else environ).get(name, "").strip().lower()
     if not value or value in _ON:
         return True
     if value in _OFF:
