@@ -299,9 +299,13 @@ def _run_size_procs(
             faults = [fault for _, found in reports for fault in found]
             if faults:
                 raise RuntimeError(f"round {step}: {faults[0]}")
-    finally:
+    except BaseException:
+        # (Not after the last round: a child not yet woken from it would
+        # see the barrier broken.)
         go.abort()
         done.abort()
+        raise
+    finally:
         for child in children:
             child.join(timeout)
             if child.is_alive():
