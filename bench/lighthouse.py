@@ -22,10 +22,14 @@ over torchft's (``--against none`` skips torchft).
 **Clients.** ``--client native`` (the default where torchft is installed) is
 torchft's own ``LighthouseClient`` (Rust, one per replica group, each called
 from its own thread, as torchft's managers call it); ``--client aio`` is N
-``grpc.aio`` channels in one asyncio loop. ``--client-procs K`` spreads the
-native clients over K processes (real managers are separate processes: in
-one, the N threads that turn N-member quorums into Python objects all queue
-for one GIL); the default, 1, keeps them in this one.
+``grpc.aio`` channels in one asyncio loop. The native clients run in
+ceil(N / 128) processes (``--client-procs K`` picks K; 1 keeps them all in
+this one). Real managers are separate processes; in one process the N
+threads that turn N-member quorums into Python objects all queue for one
+GIL, and at N = 1024 that queue, not the lighthouse, set the round time: the
+same ftdist lighthouse took 1.84-1.92 s per round with every client in one
+process and 0.67-0.74 s with them in eight (torchft's 1.49-1.61 and
+1.25-1.28 s).
 
 Run it: ``python bench/lighthouse.py [--sizes 2,64,256,512,1024] [--rounds R]``.
 
@@ -90,6 +94,8 @@ def _free_port() -> int:
 
 
 _BENCH_TOKEN = "bench-job-token-0123456789abcdef"
+# Client threads per process by default (see "Clients" above).
+_GROUPS_PER_PROCESS = 128
 
 
 class _Replica:
@@ -366,9 +372,9 @@ def main() -> int:
     parser.add_argument(
         "--client-procs",
         type=int,
-        default=1,
+        default=0,
         help="with --client native: spread the N clients over this many processes "
-        "[default: 1, all in this one]",
+        f"[default: one per {_GROUPS_PER_PROCESS} groups]",
     )
     parser.add_argument("--timeout", type=float, default=60.0, help="per-RPC timeout, seconds")
     parser.add_argument(
@@ -384,8 +390,12 @@ def main() -> int:
     if args.against == "torchft" and _torchft_server_cmd() is None:
         parser.error("--against torchft: torchft_lighthouse is not installed")
 
-    procs = f" in {args.client_procs} processes" if args.client == "native" else ""
-    print(f"client: {args.client}{procs}; {_load()}")
+    spread = (
+        f" in {args.client_procs} process(es)"
+        if args.client_procs
+        else f" in one process per {_GROUPS_PER_PROCESS} groups"
+    )
+    print(f"client: {args.client}{spread if args.client == 'native' else ''}; {_load()}")
     print(
         f"{'N':>5} {'server':>7} {'token':>5} {'first quorum':>13} {'p50 round':>10} "
         f"{'p99 round':>10} {'rounds':>7}  {'mean':>9}"
@@ -461,10 +471,9 @@ def _measure(
         address = f"127.0.0.1:{port}"
         _wait_ready(address, proc, deadline_s=30.0)
         run: Callable[[], tuple[float, list[float]]]
-        if args.client == "native" and args.client_procs > 1:
-            run = lambda: _run_size_procs(  # noqa: E731
-                address, n, rounds, args.timeout, args.client_procs
-            )
+        procs = args.client_procs or -(-n // _GROUPS_PER_PROCESS)
+        if args.client == "native" and procs > 1:
+            run = lambda: _run_size_procs(address, n, rounds, args.timeout, procs)  # noqa: E731
         elif args.client == "native":
             run = lambda: _run_size_native(address, n, rounds, args.timeout)  # noqa: E731
         else:
