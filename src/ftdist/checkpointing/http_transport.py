@@ -535,11 +535,18 @@ class HTTPTransport(CheckpointTransport[T]):
         Raises:
             CheckpointHTTPError: the source refused (another step is served:
                 ``serving {cur} but got step={step}``; no token: 401).
-            CheckpointTimeoutError: the source stalled past ``timeout``.
+            CheckpointTimeoutError: the source stalled past ``timeout`` (a
+                zero timeout, at once).
             CheckpointURLError: the source cannot be reached.
             CheckpointError: the stream was malformed, truncated or corrupted.
         """
         timeout = self._timeout if timeout is None else timeout
+        if timeout.total_seconds() <= 0:
+            # As urllib's: no time at all is a timeout, never a non-blocking
+            # socket that may or may not hold the next bytes yet.
+            raise CheckpointTimeoutError(
+                f"fetching step {step} from {metadata} timed out: the timeout is {timeout}"
+            )
         start = time.perf_counter()
         address, _, hint = metadata.partition("#")
         local = hint[len(_LOCAL) :] if hint.startswith(_LOCAL) else None
