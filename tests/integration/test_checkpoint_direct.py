@@ -15,6 +15,7 @@ import socket
 import struct
 import subprocess
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -217,7 +218,8 @@ def _offer(
         verdict = conn.recv(1)
         if verdicts is not None:
             verdicts.append(verdict)
-        if verdict == _direct.COPIED:
+        if verdict == _direct.GO:
+            _direct.wait_copied(conn)
             conn.sendall(_wire.trailer_bytes(len(stream.head) + stream.body_len, digest))
         elif verdict == _direct.STREAM:
             pieces = _wire.chunks(stream)
@@ -381,6 +383,53 @@ def test_a_reader_that_never_answers_cannot_hold_the_state() -> None:
             assert conn.recv(100) == b""
     finally:
         src.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_slow_copy_that_keeps_going_outlasts_the_source_timeout() -> None:
+    # The source waits for each progress byte within its timeout, as for a
+    # stream's writes, not for the whole copy.
+    src = HTTPTransport[State](timedelta(seconds=1.5), hostname="127.0.0.1")
+    dst = HTTPTransport[State](TIMEOUT, hostname="127.0.0.1")
+    try:
+        state = {f"t{i}": torch.full((16 << 20,), float(i)) for i in range(3)}  # 3 x 64 MiB
+        src.send_checkpoint([1], 2, state, TIMEOUT)
+        dst.progress = lambda done, total: time.sleep(0.04)  # 48 pieces: about 2 s in all
+        got = dst.recv_checkpoint(0, src.metadata(), 2, TIMEOUT)
+        assert dst.last_transfer is not None and dst.last_transfer.route == "direct"
+        assert all(torch.equal(got[k], v) for k, v in state.items())
+    finally:
+        src.shutdown()
+        dst.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_receive_that_fails_lets_go_of_the_source_at_once() -> None:
+    src = HTTPTransport[State](timedelta(seconds=30), hostname="127.0.0.1")
+    dst = HTTPTransport[State](TIMEOUT, hostname="127.0.0.1")
+    try:
+        src.send_checkpoint([1], 2, _state(), TIMEOUT)
+
+        def fail(done: int, total: int) -> None:
+            raise RuntimeError("the receiver gave up")
+
+        dst.progress = fail
+        with pytest.raises(RuntimeError, match="gave up") as failed:
+            dst.recv_checkpoint(0, src.metadata(), 2, TIMEOUT)
+        # The error (and its traceback) still alive, as a Manager keeps it
+        # until the next quorum: the source must not wait out its timeout.
+        assert failed.value is not None
+        done = threading.Event()
+
+        def disallow() -> None:
+            src.disallow_checkpoint()
+            done.set()
+
+        threading.Thread(target=disallow).start()
+        assert done.wait(15), "the source waited on a receiver that had failed"
+    finally:
+        src.shutdown()
+        dst.shutdown()
 
 
 # -- the kernel call ---------------------------------------------------------------------------

@@ -14,11 +14,13 @@ It rides on the local-socket HTTP exchange (:mod:`._http_server`)::
 
     request:   GET /checkpoint/{step}/{key} with  X-Ftdist-Direct: 1
     answer:    200 with  X-Ftdist-Direct: <the source's pid>  and no length
-    body:      prefix | header | manifest | <waits for the verdict> | rest
+    body:      prefix | header | manifest | <waits for the receiver> | rest
     manifest:  count u64 | (address u64, length u64) per carried tensor
-    verdict:   b"M": the receiver copied every tensor; the rest is the trailer
-               b"S": it may not read that memory; the rest is the tensor
+    receiver:  b"S": it may not read that memory; the rest is the tensor
                      bytes and the trailer, as in a plain stream
+               b"G": it may (one byte was copied); then b"+" per 64 MiB
+                     copied, each within the socket timeout, and b"M" when
+                     every tensor is copied; the rest is the trailer
 
 Who may read is the kernel's decision, by ptrace's rules: the same user and
 a dumpable source, or ``CAP_SYS_PTRACE``. Yama's ``ptrace_scope`` 1 (the
@@ -42,6 +44,7 @@ import ctypes
 import errno
 import logging
 import os
+import socket
 import struct
 import sys
 from collections.abc import Callable
@@ -56,8 +59,15 @@ from ftdist.errors import CheckpointError
 logger = logging.getLogger("ftdist.checkpointing.http")
 
 HEADER = "X-Ftdist-Direct"
+GO = b"G"
+PROGRESS = b"+"
 COPIED = b"M"
 STREAM = b"S"
+# A progress byte per this many bytes copied: the source waits for each
+# within its socket timeout, as a stream's writes do, so a large state read
+# by a slow receiver does not need the whole copy within one timeout.
+PROGRESS_BYTES = 64 << 20
+_SO_PEERCRED = getattr(socket, "SO_PEERCRED", 17)
 _COUNT = struct.Struct("<Q")
 _ENTRY = struct.Struct("<QQ")
 # The copy goes in pieces of this size so the receiver's checksum thread
@@ -162,6 +172,30 @@ def source_digest(flats: list[torch.Tensor]) -> WordSum:
     return digest
 
 
+def same_user(sock: socket.socket) -> bool:
+    """Whether the peer of a Unix socket runs as this process's user (``SO_PEERCRED``)."""
+    try:
+        _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, _SO_PEERCRED, 12))
+    except OSError:
+        return False
+    return bool(uid == os.getuid())
+
+
+def wait_copied(sock: socket.socket) -> None:
+    """The source's side: wait for the receiver's progress bytes, then its ``M``.
+
+    Raises:
+        OSError: the receiver went quiet past the socket timeout, hung up,
+            or sent something else.
+    """
+    while True:
+        byte = sock.recv(1)
+        if byte == COPIED:
+            return
+        if byte != PROGRESS:
+            raise ConnectionAbortedError(f"the peer sent {byte!r} during a direct read")
+
+
 _warned: set[int] = set()
 
 
@@ -203,13 +237,23 @@ class DirectBody:
         self._entries = entries
         self._reader = reader
         self._verdict = verdict
+        self._since = 0  # bytes copied since the last progress byte
 
-    def probe(self) -> bool:
-        """Copy one byte of the first non-empty tensor: whether the kernel allows it.
+    def start(self, addressable: bool) -> bool:
+        """Tell the source whether this receiver copies (``G``) or wants the stream (``S``).
+
+        Args:
+            addressable: whether the source named the socket peer's pid.
 
         Raises:
-            CheckpointError: the copy failed for another reason than permission.
+            CheckpointError: the probe failed for another reason than permission.
+            OSError: the source is gone.
         """
+        go = addressable and self._probe()
+        self._verdict(GO if go else STREAM)
+        return go
+
+    def _probe(self) -> bool:
         first = next(((addr, n) for addr, n in self._entries if n), None)
         if first is None:
             return True
@@ -243,6 +287,10 @@ class DirectBody:
                     ) from exc
                 self._reader.absorb(piece)
                 progress(len(piece))
+                self._since += len(piece)
+                if self._since >= PROGRESS_BYTES:
+                    self._since = 0
+                    self._verdict(PROGRESS)
         self._reader.end_tensor()
 
     def finish(self) -> None:

@@ -307,21 +307,24 @@ class HTTPTransport(CheckpointTransport[T]):
         else:
             req.reply(400, f"no chunk {key}: this source serves {len(streams)} chunks")
             return
-        if (
-            self._direct
-            and req.headers.get(_direct.HEADER) == "1"
-            and req.connection.family == socket.AF_UNIX
-            and all(t.device.type == "cpu" for t in stream.tensors)
-        ):
-            self._write_direct(req, stream)
-            return
-        req.responded = True
-        req.send_response(200)
-        req.send_header("Content-Type", "application/octet-stream")
-        req.send_header("Content-Length", str(stream.size))
-        req.end_headers()
+        # Marked before anything is sent: disallow_checkpoint() cuts off only
+        # the requests marked, and the state must not change under this one.
         req.streaming = True
         try:
+            if (
+                self._direct
+                and req.headers.get(_direct.HEADER) == "1"
+                and req.connection.family == socket.AF_UNIX
+                and _direct.same_user(req.connection)
+                and all(t.device.type == "cpu" for t in stream.tensors)
+            ):
+                self._write_direct(req, stream)
+                return
+            req.responded = True
+            req.send_response(200)
+            req.send_header("Content-Type", "application/octet-stream")
+            req.send_header("Content-Length", str(stream.size))
+            req.end_headers()
             self._write(req, _wire.chunks(stream))
         finally:
             req.streaming = False
@@ -329,31 +332,29 @@ class HTTPTransport(CheckpointTransport[T]):
     @classmethod
     def _write_direct(cls, req: Request, stream: _wire.Stream) -> None:
         # Views of the live tensors (a copy for a tensor with gaps), held here
-        # until the peer's verdict: the addresses sent must stay valid.
+        # until the peer is done: the addresses sent must stay valid.
         flats = [_wire.flat_bytes(t) for t in stream.tensors]
         req.responded = True
         req.send_response(200)
         req.send_header("Content-Type", "application/octet-stream")
         req.send_header(_direct.HEADER, str(os.getpid()))
         req.end_headers()
-        req.streaming = True
-        try:
-            req.wfile.write(stream.head + _direct.manifest(flats))
-            # Summed while the peer copies, on the other core.
-            digest = _direct.source_digest(flats)
-            verdict = req.connection.recv(1)
-            if verdict == _direct.COPIED:
-                req.wfile.write(_wire.trailer_bytes(len(stream.head) + stream.body_len, digest))
-            elif verdict == _direct.STREAM:
-                pieces = _wire.chunks(stream)
-                next(pieces)  # the head, sent already
-                cls._write(req, pieces)
-            else:
-                raise ConnectionAbortedError(
-                    f"the peer answered {verdict!r} where a direct read's verdict belongs"
-                )
-        finally:
-            req.streaming = False
+        req.wfile.write(stream.head + _direct.manifest(flats))
+        verdict = req.connection.recv(1)
+        if verdict == _direct.STREAM:
+            del flats
+            pieces = _wire.chunks(stream)
+            next(pieces)  # the head, sent already
+            cls._write(req, pieces)
+            return
+        if verdict != _direct.GO:
+            raise ConnectionAbortedError(f"the peer answered {verdict!r} to a direct read's offer")
+        # Summed while the peer copies, on the other core.
+        digest = _direct.source_digest(flats)
+        _direct.wait_copied(req.connection)
+        if req.aborted:
+            raise ConnectionAbortedError("the state was revoked during a direct read")
+        req.wfile.write(_wire.trailer_bytes(len(stream.head) + stream.body_len, digest))
 
     @staticmethod
     def _write(req: Request, pieces: Generator[memoryview | bytes, None, None]) -> None:
@@ -471,6 +472,7 @@ class HTTPTransport(CheckpointTransport[T]):
         # The way back to the source for a direct read's verdict: http.client
         # hands its socket over to a response that ends with the connection.
         back: socket.socket | None = None
+        resp: http.client.HTTPResponse | None = None
         try:
             conn = _connect(parts.hostname or "", parts.port, local, seconds)
             if self._direct and isinstance(conn, _LocalConnection) and conn.peer_pid > 0:
@@ -493,12 +495,11 @@ class HTTPTransport(CheckpointTransport[T]):
                 entries = _direct.parse_manifest(
                     reader.read_exact, [header.leaves[i].nbytes for i in header.carried], url
                 )
-                if progress is not None:
-                    progress.expect(header.body_len)
+                if progress is not None:  # what a stream would have announced
+                    progress.expect(reader.total + header.body_len + _wire.TRAILER_BYTES)
                 source = _direct.DirectBody(conn.peer_pid, entries, reader, back.sendall)
-                if offered != str(conn.peer_pid) or not source.probe():
-                    # Another pid than the socket's peer: not a process this one can address.
-                    back.sendall(_direct.STREAM)
+                # Another pid than the socket's peer: not a process this one can address.
+                if not source.start(offered == str(conn.peer_pid)):
                     return None
                 direct.append(source)
                 return source
@@ -522,6 +523,10 @@ class HTTPTransport(CheckpointTransport[T]):
         except http.client.HTTPException as exc:
             raise CheckpointURLError(f"fetching {url} failed: {exc!r}") from exc
         finally:
+            # The response holds the socket once http.client hands it over: a
+            # source must not wait on it for its timeout after a failed read.
+            if resp is not None:
+                resp.close()
             if back is not None:
                 back.close()
             if conn is not None:
