@@ -224,9 +224,13 @@ def _member_process(
     timeout: float,
     go: Any,
     done: Any,
-    results: Any,
+    reports: Any,
+    expected: int,
 ) -> None:
-    """One client process: ``count`` groups from ``first``, reporting each round's last end."""
+    """One client process: ``count`` groups from ``first``, reporting each round's last end.
+
+    Every quorum must hold ``expected`` members.
+    """
     from torchft._torchft import LighthouseClient
 
     deadline = timedelta(seconds=timeout)
@@ -242,10 +246,8 @@ def _member_process(
             start.wait()
             try:
                 members = _native_round(clients[i], ids[i], step, deadline)
-                if members != results.expected:
-                    faults.append(
-                        f"round {step}: expected {results.expected} members, got {members}"
-                    )
+                if members != expected:
+                    faults.append(f"round {step}: expected {expected} members, got {members}")
             except Exception as exc:  # reported to the parent
                 faults.append(f"round {step}: {exc!r}")
             ends[i] = time.perf_counter()
@@ -258,19 +260,11 @@ def _member_process(
         go.wait()
         start.wait()
         end.wait()
-        results.queue.put((max(ends), list(faults)))
+        reports.put((max(ends), list(faults)))
         faults.clear()
         done.wait()
     for thread in threads:
         thread.join(timeout)
-
-
-class _Results:
-    """What client processes share with the parent (picklable for spawn)."""
-
-    def __init__(self, queue: Any, expected: int) -> None:
-        self.queue = queue
-        self.expected = expected
 
 
 def _run_size_procs(
@@ -281,14 +275,14 @@ def _run_size_procs(
     procs = max(1, min(procs, n))
     go = ctx.Barrier(procs + 1, timeout=timeout)
     done = ctx.Barrier(procs + 1, timeout=timeout)
-    results = _Results(ctx.Queue(), n)
+    queue = ctx.Queue()
     shares = [n // procs + (1 if k < n % procs else 0) for k in range(procs)]
     children = []
     first = 0
     for share in shares:
         child = ctx.Process(
             target=_member_process,
-            args=(address, first, share, rounds, timeout, go, done, results),
+            args=(address, first, share, rounds, timeout, go, done, queue, n),
             daemon=True,
         )
         child.start()
@@ -299,7 +293,7 @@ def _run_size_procs(
         for step in range(rounds + 1):
             go.wait()
             begin = time.perf_counter()
-            reports = [results.queue.get(timeout=timeout) for _ in children]
+            reports = [queue.get(timeout=timeout) for _ in children]
             done.wait()
             latencies.append(max(end for end, _ in reports) - begin)
             faults = [fault for _, found in reports for fault in found]

@@ -53,7 +53,8 @@ from typing import Any
 import torch
 
 from ftdist.checkpointing._checksum import WordSum
-from ftdist.checkpointing._wire import StreamReader, host_view
+from ftdist.checkpointing._http_server import peer_credentials
+from ftdist.checkpointing._wire import PIECE_BYTES, StreamReader, host_view, sum_flat
 from ftdist.errors import CheckpointError
 
 logger = logging.getLogger("ftdist.checkpointing.http")
@@ -67,12 +68,8 @@ STREAM = b"S"
 # within its socket timeout, as a stream's writes do, so a large state read
 # by a slow receiver does not need the whole copy within one timeout.
 PROGRESS_BYTES = 64 << 20
-_SO_PEERCRED = getattr(socket, "SO_PEERCRED", 17)
 _COUNT = struct.Struct("<Q")
 _ENTRY = struct.Struct("<QQ")
-# The copy goes in pieces of this size so the receiver's checksum thread
-# sums each piece while it is still in the cache.
-PIECE_BYTES = 4 << 20
 # errno values by which the kernel says "not this process's to read".
 _REFUSED = {errno.EPERM, errno.EACCES, errno.ESRCH, errno.ENOSYS}
 
@@ -166,19 +163,16 @@ def source_digest(flats: list[torch.Tensor]) -> WordSum:
     """The word sums a stream of these tensors' bytes (1-D uint8, CPU) would end with."""
     digest = WordSum()
     for flat in flats:
-        for start in range(0, flat.numel(), PIECE_BYTES):
-            digest.update(host_view(flat[start : start + PIECE_BYTES]))
-        digest.end_segment()
+        sum_flat(digest, flat)
     return digest
 
 
 def same_user(sock: socket.socket) -> bool:
     """Whether the peer of a Unix socket runs as this process's user (``SO_PEERCRED``)."""
     try:
-        _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, _SO_PEERCRED, 12))
+        return peer_credentials(sock)[1] == os.getuid()
     except OSError:
         return False
-    return bool(uid == os.getuid())
 
 
 def wait_copied(sock: socket.socket) -> None:
@@ -223,7 +217,8 @@ class DirectBody:
         entries: the manifest, in stream order.
         reader: the stream, which sums and counts each copied piece and
             reads the trailer after.
-        verdict: sends the receiver's one-byte verdict to the source.
+        send: sends the receiver's one-byte messages (``G``/``S``, ``+``,
+            ``M``) to the source.
     """
 
     def __init__(
@@ -231,12 +226,12 @@ class DirectBody:
         pid: int,
         entries: list[tuple[int, int]],
         reader: StreamReader,
-        verdict: Callable[[bytes], None],
+        send: Callable[[bytes], None],
     ) -> None:
         self._pid = pid
         self._entries = entries
         self._reader = reader
-        self._verdict = verdict
+        self._send = send
         self._since = 0  # bytes copied since the last progress byte
 
     def start(self, addressable: bool) -> bool:
@@ -250,7 +245,7 @@ class DirectBody:
             OSError: the source is gone.
         """
         go = addressable and self._probe()
-        self._verdict(GO if go else STREAM)
+        self._send(GO if go else STREAM)
         return go
 
     def _probe(self) -> bool:
@@ -290,7 +285,7 @@ class DirectBody:
                 self._since += len(piece)
                 if self._since >= PROGRESS_BYTES:
                     self._since = 0
-                    self._verdict(PROGRESS)
+                    self._send(PROGRESS)
         self._reader.end_tensor()
 
     def finish(self) -> None:
@@ -299,4 +294,4 @@ class DirectBody:
         Raises:
             OSError: the connection is gone.
         """
-        self._verdict(COPIED)
+        self._send(COPIED)

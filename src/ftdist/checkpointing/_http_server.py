@@ -33,6 +33,7 @@ import logging
 import re
 import socket
 import socketserver
+import struct
 import sys
 import threading
 import time
@@ -53,6 +54,22 @@ MAX_PATH_BYTES = 256
 HEAD_SECONDS = 10.0
 _STEP = re.compile(r"-?[0-9]{1,19}")
 _KEY = re.compile(r"full|[0-9]{1,6}")
+
+
+# Linux's SO_PEERCRED (the socket module has it only on some builds).
+_SO_PEERCRED = getattr(socket, "SO_PEERCRED", 17)
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int]:
+    """``(pid, uid)`` of a connected Unix socket's peer, as the kernel names them.
+
+    The pid is 0 when the peer is outside this process's pid namespace.
+
+    Raises:
+        OSError: the kernel cannot say (not a Unix socket, or not Linux).
+    """
+    pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, _SO_PEERCRED, 12))
+    return pid, uid
 
 
 def printable(text: str, limit: int = 200) -> str:

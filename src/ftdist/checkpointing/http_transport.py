@@ -33,7 +33,6 @@ import io
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 import urllib.error
@@ -50,7 +49,7 @@ from ftdist import _auth
 from ftdist._advertise import advertised_host, log_advertised
 from ftdist.checkpointing import _direct, _wire, config
 from ftdist.checkpointing._codec import LeafMeta
-from ftdist.checkpointing._http_server import CheckpointServer, Request
+from ftdist.checkpointing._http_server import CheckpointServer, Request, peer_credentials
 from ftdist.checkpointing._rwlock import LockClosedError, RWLock
 from ftdist.checkpointing._targets import in_place_targets, own_state
 from ftdist.checkpointing.transport import CheckpointTransport, TransferProgress, TransferStats
@@ -108,8 +107,6 @@ def _default_device(meta: LeafMeta) -> torch.device:
 
 # Where metadata names a source's local socket: ``<address>#local=<name>``.
 _LOCAL = "local="
-# Linux's SO_PEERCRED (the socket module has it only on some builds).
-_SO_PEERCRED = getattr(socket, "SO_PEERCRED", 17)
 
 
 class _LocalConnection(http.client.HTTPConnection):
@@ -128,7 +125,7 @@ class _LocalConnection(http.client.HTTPConnection):
             # Abstract names are visible to every local user (/proc/net/unix),
             # and a dead source's name can be bound again by anyone: only a
             # server of this user gets the job token and the state's trust.
-            pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, _SO_PEERCRED, 12))
+            pid, uid = peer_credentials(sock)
             if uid != os.getuid():
                 raise PermissionError(f"the local socket belongs to uid {uid}, not this user")
             self.peer_pid = pid
