@@ -1038,6 +1038,7 @@ def _replace_once(args: argparse.Namespace, stack: str = "ftdist") -> dict[str, 
         "send_s": sent[0]["transfer_s"] if sent else None,
         "stream_s": new["stream_s"],
         "route": h.get("route", ""),
+        "reserved": h.get("reserved_bytes", 0),
     }
 
 
@@ -1093,6 +1094,10 @@ def part_replace(args: argparse.Namespace, targets: Targets) -> None:
         f"    {'transfer: GB/s':<58} "
         + " ".join(f"{g:>8.2f}" for g in gbps)
         + f" {statistics.median(gbps):>8.2f}"
+    )
+    print(
+        f"    {'  of which fresh tensors into the receive reserve: MB':<58} "
+        + " ".join(f"{r['reserved'] / 1e6:>8.1f}" for r in runs)
     )
     streams = [r for r in runs if r["stream_s"]]
     if streams:

@@ -101,7 +101,10 @@ def train(
     (the ``rejoined`` counter) and another group's quorum request waits at the
     lighthouse (unless ``"hold_for_request"`` is False: a pause, not a hold);
     ``{"later_holds": {step: count}}`` holds again at each step until ``count``
-    replacements are up.
+    replacements are up;
+    ``{"lazy_mb": n}`` keeps an n MiB tensor in the state that, like an
+    optimizer's momentum, exists only once the replica has committed a step
+    (a fresh replacement lacks it until its heal brings it).
     """
     from ftdist.checkpointing import PGTransport
     from ftdist.ddp import DistributedDataParallel
@@ -131,6 +134,8 @@ def train(
     pg = ProcessGroupGloo(timeout=timeout) if pg_kind == "gloo" else ProcessGroupBabyGloo(timeout)
 
     ballast = torch.zeros(int(actions.get("ballast_mb", 0) * 2**20) // 4)
+    lazy: dict[str, torch.Tensor] = {}
+    lazy_numel = int(actions.get("lazy_mb", 0) * 2**20) // 4
 
     # Per load: (this replica had never committed, the heal was received
     # straight into its own tensors); the Manager's step moves after the load.
@@ -145,6 +150,8 @@ def train(
         model.load_state_dict(sd["model"])
         optim.load_state_dict(sd["optim"])
         ballast.copy_(sd["ballast"])
+        lazy.clear()
+        lazy.update(sd["lazy"])
         if actions.get("stale_lr_on_heal"):
             # The classic bug: a load function that forgets the schedule.
             optim.param_groups[0]["lr"] = 0.5
@@ -158,6 +165,7 @@ def train(
             "model": model.state_dict(),
             "optim": optim.state_dict(),
             "ballast": ballast,
+            "lazy": lazy,
         },
         min_replica_size=1,
         replica_id=f"replica{replica}",
@@ -242,6 +250,9 @@ def train(
                 # the counter to the source's step first).
                 committed.append(manager.current_step() - 1)
                 commit_times.append(time.time())
+                if lazy_numel:
+                    # Steps of its own after a heal, like a momentum buffer.
+                    lazy.setdefault("buf", torch.arange(lazy_numel, dtype=torch.float32)).add_(1)
                 # Under which quorum: one id must never name two memberships.
                 quorums.append(
                     (committed[-1], manager.quorum_id(), list(manager._membership.members))
@@ -285,6 +296,7 @@ def train(
             "errors": errors,
             "heals": [t.as_dict() for t in manager.heal_timelines],
             "loads": loads,
+            "lazy": hashlib.sha256(lazy["buf"].numpy().tobytes()).hexdigest() if lazy else None,
         }
     finally:
         manager.shutdown()

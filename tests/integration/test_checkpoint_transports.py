@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ftdist import _auth
 from ftdist.checkpointing import HTTPTransport, PGTransport, _wire
+from ftdist.checkpointing._prefault import ReceiveReserve
 from ftdist.checkpointing.http_transport import CheckpointHTTPError, CheckpointTimeoutError
 from ftdist.errors import CheckpointError
 from ftdist.launch.ranks import RankContext, Ranks, run_ranks
@@ -768,3 +769,87 @@ def test_a_fetch_tells_its_progress_as_the_bytes_arrive(
     dones = [d for d, _ in told]
     assert dones == sorted(dones) and dones[-1] == (6 << 20) * 4 + 12
     assert all(total >= dones[-1] for _, total in told)  # the stream's announced size
+
+
+# -- a receive reserve: fresh tensors carved out of memory populated ahead --------------------
+
+MIB = 1 << 20
+
+
+def _lazy_state() -> State:
+    """Weights the receiver holds, and optimizer state (a dense transposed one among it) it lacks."""
+    g = torch.Generator().manual_seed(5)
+    return {
+        "model": {"w": torch.randn(512, 1024, generator=g), "b": torch.randn(10, generator=g)},
+        "optim": {
+            "momentum": torch.randn(512, 1024, generator=g),  # 2 MiB
+            "momentum_t": torch.randn(1024, 384, generator=g).t(),  # 1.5 MiB
+            "small": torch.randn(7, generator=g),
+        },
+    }
+
+
+def _own_weights() -> State:
+    return {"model": {"w": torch.zeros(512, 1024), "b": torch.zeros(10)}}
+
+
+def _check_reserved(reserve: ReceiveReserve, got: State, mine: State, room: int) -> None:
+    """The receiver's own tensors were written in place, the fresh ones that fitted (in
+    stream order) were carved out of the reserve, and everything holds its bytes once the
+    reserve is closed."""
+    reserve.close()
+    _assert_same(_lazy_state(), got)
+    assert got["model"]["w"].data_ptr() == mine["model"]["w"].data_ptr()
+    assert not reserve.owns(got["optim"]["small"])  # the receiver's own allocator
+    carved = {k: reserve.owns(got["optim"][k]) for k in ("momentum", "momentum_t")}
+    nbytes = {"momentum": 2 * MIB, "momentum_t": 3 * MIB // 2}
+    assert reserve.taken == sum(nbytes[k] for k, owned in carved.items() if owned)
+    if room >= 4 * MIB:
+        assert all(carved.values()), carved
+    else:  # room for the first of them to arrive, whichever it was
+        assert sum(carved.values()) == 1, carved
+    for key in carved:
+        t = got["optim"][key]
+        assert t.untyped_storage().nbytes() == nbytes[key]  # a storage of its own
+        t.add_(1)  # and an ordinary tensor to train with
+    assert torch.equal(got["optim"]["momentum"], _lazy_state()["optim"]["momentum"] + 1)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("room", [4 * MIB, 2 * MIB])
+@pytest.mark.parametrize("num_chunks", [0, 3])
+@pytest.mark.parametrize("route", ["direct", "local", "tcp"])
+def test_http_fresh_tensors_land_in_the_receive_reserve(
+    route: str, num_chunks: int, room: int
+) -> None:
+    src = HTTPTransport[State](TIMEOUT, num_chunks=num_chunks, hostname="127.0.0.1")
+    dst = _receiver(route, num_chunks=num_chunks, hostname="127.0.0.1")
+    try:
+        src.send_checkpoint([1], 3, _lazy_state(), TIMEOUT)
+        mine = _own_weights()
+        reserve = ReceiveReserve(room)
+        dst.receive_into = lambda: mine
+        dst.receive_reserve = reserve
+        got = dst.recv_checkpoint(0, _metadata(src, route), 3, TIMEOUT)
+        _check_route(dst, route)
+        _check_reserved(reserve, got, mine, room)
+    finally:
+        src.shutdown()
+        dst.shutdown()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("room", [4 * MIB, 2 * MIB])
+def test_pg_fresh_tensors_land_in_the_receive_reserve(gloo_pair: list[Any], room: int) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    mine = _own_weights()
+    a = PGTransport[State](gloo_pair[0], TIMEOUT)
+    b = PGTransport[State](gloo_pair[1], TIMEOUT, state_dict=lambda: mine)
+    reserve = ReceiveReserve(room)
+    b.receive_reserve = reserve
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        sent = executor.submit(a.send_checkpoint, [1], 3, _lazy_state(), TIMEOUT)
+        got = b.recv_checkpoint(0, "<n/a>", 3)
+        sent.result(timeout=20)
+    _check_reserved(reserve, got, mine, room)

@@ -49,11 +49,13 @@ def _run(
     steps: int,
     actions: dict[int, dict[str, Any]],
     restarts: list[dict[int, dict[str, Any]]],
+    env: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Run, and each time the victims die, restart them with the next actions."""
+    """Run, and each time the victims die, restart them with the next actions
+    (every process with ``env`` added to its environment)."""
     world = groups * group_size
     victims = sorted(actions.keys() & {r for r in range(world) if "die_at_step" in actions[r]})
-    with Ranks(train, world, args=(lighthouse, group_size, steps, actions)) as ranks:
+    with Ranks(train, world, args=(lighthouse, group_size, steps, actions), env=env or {}) as ranks:
         for attempt, next_actions in enumerate(restarts, start=1):
             _wait_dead(ranks, victims)
             for r in victims:
@@ -92,6 +94,28 @@ def test_killed_group_restarts_heals_and_ends_identical(
     assert all(any(h["role"] == "receive" and h["step"] > 0 for h in r["heals"]) for r in healed), (
         "the restarted group must heal live from a peer"
     )
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("reserve_mb", [None, "0"])
+def test_a_replacements_fresh_state_lands_in_memory_populated_during_its_quorum_wait(
+    patient_lighthouse: str, reserve_mb: str | None
+) -> None:
+    # The replacement holds its 4 MiB ballast but not the 2 MiB "lazy"
+    # tensor (an optimizer's momentum, say) that the survivor has: its heal
+    # carves that one out of the memory it populated while the quorum formed.
+    env = {} if reserve_mb is None else {"FTDIST_CHECKPOINT_RECEIVE_RESERVE_MB": reserve_mb}
+    state = {**SLOW, "ballast_mb": 4, "lazy_mb": 2}
+    actions = {0: {**state, "hold_until_rejoin_at": 5}, 1: {**state, "die_at_step": 3}}
+    restart = [dict.fromkeys(range(2), state)]
+    results = _run(patient_lighthouse, 2, 1, 12, actions, restart, env)
+    assert_consistent(results, 12)
+    assert len({r["lazy"] for r in results}) == 1, [r["lazy"] for r in results]
+    heals = [h for r in results if r["replica"] == 1 for h in r["heals"] if h["role"] == "receive"]
+    live = [h for h in heals if h["step"] > 0]
+    assert len(live) == 1, heals
+    expected = 2 << 20 if reserve_mb is None else 0
+    assert live[0]["reserved_bytes"] == expected, live
 
 
 def _assert_gaps_healed(result: dict[str, Any]) -> None:

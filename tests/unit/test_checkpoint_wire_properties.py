@@ -72,9 +72,9 @@ def counting_allocations() -> Iterator[list[int]]:
     sizes: list[int] = []
     original = _wire.allocate
 
-    def allocate(meta: Any, device: torch.device) -> torch.Tensor:
+    def allocate(meta: Any, device: torch.device, reserve: Any = None) -> torch.Tensor:
         sizes.append(meta.nbytes)
-        return original(meta, device)
+        return original(meta, device, reserve)
 
     _wire.allocate = allocate
     try:

@@ -16,6 +16,7 @@ def test_defaults() -> None:
     assert (s.group_rank, s.group_world_size, s.port, s.quorum_retries) == (0, 1, 0, 0)
     assert s.lighthouse_addr is None and s.store_addr is None
     assert s.heartbeat_interval == timedelta(milliseconds=100)
+    assert s.reserve == 1 << 30
 
 
 def test_environment_beats_default_and_argument_beats_environment() -> None:
@@ -29,12 +30,13 @@ def test_environment_beats_default_and_argument_beats_environment() -> None:
         "MASTER_ADDR": "h",
         "MASTER_PORT": "5",
         "TORCHFT_MANAGER_PORT": "1234",
+        "FTDIST_CHECKPOINT_RECEIVE_RESERVE_MB": "0",
     }
     s = ManagerConfig.resolve(env=env)
     assert s.timeout == timedelta(seconds=7)  # TORCHFT_ name accepted
     assert s.quorum_timeout == timedelta(seconds=9)  # FTDIST_ name wins
     assert (s.lighthouse_addr, s.group_rank, s.group_world_size) == ("http://lh:1", 1, 2)
-    assert (s.store_addr, s.store_port, s.port) == ("h", 5, 1234)
+    assert (s.store_addr, s.store_port, s.port, s.reserve) == ("h", 5, 1234, 0)
     s = ManagerConfig.resolve(timeout=timedelta(seconds=3), rank=0, lighthouse_addr="x:1", env=env)
     assert (s.timeout, s.group_rank, s.lighthouse_addr) == (timedelta(seconds=3), 0, "x:1")
 
@@ -51,6 +53,7 @@ def test_environment_beats_default_and_argument_beats_environment() -> None:
         ({"store_addr": "h"}, {}, ValueError, "store_addr and store_port go together"),
         ({}, {"RANK": "x"}, ValueError, "RANK='x' is not an integer"),
         ({"rank": True}, {}, TypeError, "rank must be an int"),
+        ({}, {"FTDIST_CHECKPOINT_RECEIVE_RESERVE_MB": "1G"}, ValueError, "MB='1G'"),
     ],
 )
 def test_bad_settings_name_the_value(

@@ -1,15 +1,23 @@
-"""Prefaulting fresh receive tensors: never changes a byte, stays in its window, always stops."""
+"""Prefaulting fresh receive tensors: never changes a byte, stays in its window, always stops;
+reserves populated ahead hand out tensors of their own and give back the rest."""
 
 from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
 
 from ftdist.checkpointing import _prefault
-from ftdist.checkpointing._prefault import MIN_BYTES, WINDOW, Prefaulter, _madvise
+from ftdist.checkpointing._prefault import (
+    MIN_BYTES,
+    WINDOW,
+    Prefaulter,
+    ReceiveReserve,
+    _madvise,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -70,3 +78,83 @@ def test_small_tensors_and_targets_start_no_thread() -> None:
         prefault.add(torch.empty(MIN_BYTES // 2, dtype=torch.uint8), fresh=True)
         prefault.add(torch.empty(4 * MIN_BYTES, dtype=torch.uint8), fresh=False)
         assert prefault._thread is None
+
+
+# -- ReceiveReserve: memory populated ahead of a receive ---------------------------------------
+
+needs_populate = pytest.mark.skipif(
+    _madvise() is None, reason="this kernel has no MADV_POPULATE_WRITE"
+)
+
+
+def _reserve_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "ftdist-reserve"]
+
+
+@pytest.mark.parametrize("nbytes", [0, -1, 1.5, True, "4096"])
+def test_a_reserve_of_no_bytes_is_refused(nbytes: Any) -> None:
+    with pytest.raises(ValueError, match=f"nbytes={nbytes!r}"):
+        ReceiveReserve(nbytes)
+
+
+@needs_populate
+def test_each_tensor_taken_has_a_storage_of_its_own_and_keeps_its_bytes() -> None:
+    reserve = ReceiveReserve(8 * MIN_BYTES)
+    assert reserve.nbytes == 8 * MIN_BYTES
+    a = reserve.take(3 * MIN_BYTES + 5)
+    b = reserve.take(2 * MIN_BYTES)
+    assert a is not None and b is not None
+    assert reserve.taken == 5 * MIN_BYTES + 5
+    # Exactly its own size (torch.save, share_memory_ see only it), page aligned.
+    assert a.untyped_storage().nbytes() == a.numel() == 3 * MIN_BYTES + 5
+    assert b.untyped_storage().nbytes() == b.numel() == 2 * MIN_BYTES
+    assert a.data_ptr() % 4096 == 0 and b.data_ptr() % 4096 == 0
+    assert b.data_ptr() >= a.data_ptr() + a.numel()
+    a.fill_(7)
+    b.fill_(9)
+    assert reserve.take(4 * MIN_BYTES) is None  # what is left is too small
+    assert reserve.take(MIN_BYTES // 2) is None  # small tensors are the receiver's own
+    reserve.close()
+    # The tail went back to the kernel; what was taken stays.
+    assert int(a.min()) == int(a.max()) == 7 and int(b.min()) == int(b.max()) == 9
+    assert reserve.take(MIN_BYTES) is None  # closed
+    assert not _reserve_threads()
+
+
+@needs_populate
+def test_closing_a_reserve_that_nothing_used_unmaps_it_and_stops_its_helper() -> None:
+    with ReceiveReserve(256 << 20) as reserve:  # the helper is still populating
+        pass
+    assert reserve._map.closed
+    assert not _reserve_threads()
+
+
+@needs_populate
+def test_the_helper_populates_the_whole_reserve_until_stopped() -> None:
+    with ReceiveReserve(4 * MIN_BYTES) as reserve:
+        assert reserve._thread is not None
+        reserve._thread.join(timeout=30)
+        assert not reserve._thread.is_alive()
+        # Populated memory is zeroed memory: a take is ready to receive into.
+        t = reserve.take(4 * MIN_BYTES)
+        assert t is not None and not t.any()
+
+
+@needs_populate
+def test_a_reserve_is_as_large_as_the_states_cpu_tensors_within_its_limit() -> None:
+    state = {
+        "model": {"w": torch.empty(MIN_BYTES, dtype=torch.uint8), "b": torch.empty(10)},
+        "optim": [torch.empty(MIN_BYTES // 2, dtype=torch.float16)],  # MIN_BYTES
+        "meta": torch.device("meta"),
+        "on_meta": torch.empty(4 * MIN_BYTES, device="meta"),
+    }
+    reserve = ReceiveReserve.like(state, limit=1 << 30)
+    assert reserve is not None
+    assert reserve.nbytes == 2 * MIN_BYTES  # the small and the non-CPU ones left out
+    reserve.close()
+    capped = ReceiveReserve.like(state, limit=MIN_BYTES + 4096)
+    assert capped is not None and capped.nbytes == MIN_BYTES + 4096
+    capped.close()
+    assert ReceiveReserve.like(state, limit=0) is None
+    assert ReceiveReserve.like({"b": torch.empty(10)}, limit=1 << 30) is None
+    assert ReceiveReserve.like(None, limit=1 << 30) is None

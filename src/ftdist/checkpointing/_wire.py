@@ -43,7 +43,7 @@ import torch
 from ftdist.checkpointing import _codec, _dtensor
 from ftdist.checkpointing._checksum import SumBehind, WordSum
 from ftdist.checkpointing._codec import LeafMeta, dense_stride, where
-from ftdist.checkpointing._prefault import Prefaulter
+from ftdist.checkpointing._prefault import Prefaulter, ReceiveReserve
 from ftdist.errors import CheckpointError
 
 MAGIC = b"FTDCKPT3"
@@ -408,12 +408,20 @@ def check_step(header: Header, step: int, what: str) -> None:
         )
 
 
-def allocate(meta: LeafMeta, device: torch.device) -> torch.Tensor:
-    """An uninitialised tensor laid out as ``meta`` says.
+def allocate(
+    meta: LeafMeta, device: torch.device, reserve: ReceiveReserve | None = None
+) -> torch.Tensor:
+    """An uninitialised tensor laid out as ``meta`` says (on the host, carved
+    out of ``reserve`` while it has room).
 
     Raises:
         CheckpointError: the memory cannot be had.
     """
+    if reserve is not None and device.type == "cpu":
+        flat = reserve.take(meta.nbytes)
+        if flat is not None:
+            # The strides are dense in some order: the flat bytes hold them exactly.
+            return flat.view(meta.dtype).as_strided(meta.shape, meta.stride)
     try:
         t = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=device)
     except RuntimeError as exc:
@@ -441,6 +449,7 @@ def read_leaves(
     targets: Callable[[Header], Mapping[int, torch.Tensor]] | None = None,
     progress: Callable[[int], None] | None = None,
     body: Callable[[Header], BodySource | None] | None = None,
+    reserve: ReceiveReserve | None = None,
 ) -> tuple[Header, dict[int, torch.Tensor]]:
     """Read one stream: the header and {leaf index: tensor}.
 
@@ -457,12 +466,13 @@ def read_leaves(
         body: given the checked header, where the tensor bytes come from
             instead of the stream (a direct memory read), or None for the
             stream.
+        reserve: populated memory for the fresh tensors that land on the host.
 
     Raises:
         CheckpointError: wrong step, malformed, truncated or corrupted stream.
     """
     try:
-        return _read_leaves(reader, step, device, size, targets, progress, body)
+        return _read_leaves(reader, step, device, size, targets, progress, body, reserve)
     finally:
         reader.close()
 
@@ -475,6 +485,7 @@ def _read_leaves(
     targets: Callable[[Header], Mapping[int, torch.Tensor]] | None,
     progress: Callable[[int], None] | None,
     body: Callable[[Header], BodySource | None] | None,
+    reserve: ReceiveReserve | None,
 ) -> tuple[Header, dict[int, torch.Tensor]]:
     header = reader.read_header(size)
     check_step(header, step, reader.what)
@@ -492,7 +503,7 @@ def _read_leaves(
                 prefault.advance(nbytes)
                 progress(nbytes)
 
-        for pos, index, t in staged_leaves(header, own, cpu, prefault):
+        for pos, index, t in staged_leaves(header, own, cpu, prefault, reserve):
             if source is None:
                 reader.read_into(flat_bytes(t), advance)
             else:
@@ -513,15 +524,19 @@ def staged_leaves(
     own: Mapping[int, torch.Tensor],
     device: torch.device,
     prefault: Prefaulter,
+    reserve: ReceiveReserve | None = None,
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
     """A stream's leaves in order: (position, leaf index, tensor that receives it).
 
     The tensor is the receiver's own (``own``, by leaf index) or a fresh one
-    on ``device``, allocated when its turn comes or when the prefault window
-    reaches it, so that its pages are populated ahead of the bytes; a peer
-    that announces a large state makes the receiver hold no more than the
-    window beyond what it sent.
+    on ``device`` (out of ``reserve`` while it has room), allocated when its
+    turn comes or when the prefault window reaches it, so that its pages are
+    populated ahead of the bytes; a peer that announces a large state makes
+    the receiver hold no more than the window beyond what it sent.
     """
+    if reserve is not None:
+        # The receive's own helper populates from here on, in stream order.
+        reserve.stop()
     carried = header.carried
     staged: dict[int, torch.Tensor] = {}
     ahead = 0  # the next leaf to allocate
@@ -530,7 +545,7 @@ def staged_leaves(
             leaf_index = carried[ahead]
             t = own.get(leaf_index)
             if t is None:
-                t = allocate(header.leaves[leaf_index], device)
+                t = allocate(header.leaves[leaf_index], device, reserve)
                 prefault.add(t, fresh=True)
             else:
                 prefault.add(t, fresh=False)

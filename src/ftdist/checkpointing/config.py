@@ -15,6 +15,13 @@ spelled out here (docs/configuration.md lists them all):
     copies the state straight out of the peer's memory (``process_vm_readv``,
     where the kernel allows it) instead of streaming it over the local
     socket. Off on either side, the bytes stream.
+
+``FTDIST_CHECKPOINT_RECEIVE_RESERVE_MB``
+    The most memory, in MiB (default 1024), that a replica which never
+    committed populates while it waits for its first quorum, for the fresh
+    tensors of the heal that usually follows (its optimizer's state). As
+    large as the replica's own CPU tensors up to this; ``0`` turns it off.
+    What the heal does not use is given back when it ends.
 """
 
 from __future__ import annotations
@@ -22,10 +29,19 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-__all__ = ["ENV_DIRECT_READS", "ENV_LOCAL_SOCKET", "direct_reads", "local_socket"]
+__all__ = [
+    "ENV_DIRECT_READS",
+    "ENV_LOCAL_SOCKET",
+    "ENV_RECEIVE_RESERVE_MB",
+    "direct_reads",
+    "local_socket",
+    "receive_reserve_bytes",
+]
 
 ENV_LOCAL_SOCKET = "FTDIST_CHECKPOINT_LOCAL_SOCKET"
 ENV_DIRECT_READS = "FTDIST_CHECKPOINT_DIRECT_READS"
+ENV_RECEIVE_RESERVE_MB = "FTDIST_CHECKPOINT_RECEIVE_RESERVE_MB"
+DEFAULT_RECEIVE_RESERVE_MB = 1024
 _ON = {"1", "true", "yes", "on"}
 _OFF = {"0", "false", "no", "off"}
 
@@ -62,6 +78,37 @@ def direct_reads(argument: bool | None = None, environ: Mapping[str, str] | None
         "copy a same-host peer's state straight from its memory, the default",
         "always stream over the socket",
     )
+
+
+def receive_reserve_bytes(
+    argument: int | None = None, environ: Mapping[str, str] | None = None
+) -> int:
+    """The most memory a never-committed replica populates for its first heal, in
+    bytes: ``argument`` (bytes), else ``FTDIST_CHECKPOINT_RECEIVE_RESERVE_MB`` (MiB),
+    else 1024 MiB; 0 is off.
+
+    Raises:
+        ValueError: the argument or the variable is negative or not a whole number.
+    """
+    if argument is not None:
+        if isinstance(argument, bool) or not isinstance(argument, int) or argument < 0:
+            raise ValueError(
+                f"receive reserve of {argument!r} bytes: give a whole number of bytes, 0 for none"
+            )
+        return argument
+    value = (
+        (os.environ if environ is None else environ)
+        .get("FTDIST_CHECKPOINT_RECEIVE_RESERVE_MB", "")
+        .strip()
+    )
+    if not value:
+        return DEFAULT_RECEIVE_RESERVE_MB << 20
+    if not value.isdigit():
+        raise ValueError(
+            f"FTDIST_CHECKPOINT_RECEIVE_RESERVE_MB={value!r} is not understood: set it to a "
+            f"whole number of MiB (default {DEFAULT_RECEIVE_RESERVE_MB}), or 0 for none"
+        )
+    return int(value) << 20
 
 
 def _switch(

@@ -509,6 +509,7 @@ class HTTPTransport(CheckpointTransport[T]):
                 targets=lambda header: in_place_targets(own, header, cpu),
                 progress=progress.add if progress is not None else None,
                 body=direct_body if offered is not None else None,
+                reserve=self.receive_reserve,
             )
             return header, tensors, reader.total, _route(conn, bool(direct))
         except CheckpointError:

@@ -194,7 +194,9 @@ class PGTransport(CheckpointTransport[T]):
                 if tracker is not None:
                     tracker.add(flat.numel())
 
-            for pos, index, t in _wire.staged_leaves(header, targets, self._device, prefault):
+            for pos, index, t in _wire.staged_leaves(
+                header, targets, self._device, prefault, self.receive_reserve
+            ):
                 tensors[index] = t
                 flat = _wire.flat_bytes(t)
                 if not flat.numel():

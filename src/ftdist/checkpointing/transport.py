@@ -7,7 +7,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from ftdist.checkpointing._prefault import ReceiveReserve
 
 T = TypeVar("T")
 
@@ -83,6 +86,10 @@ class CheckpointTransport(ABC, Generic[T]):
     # ``state_dict=`` uses that). The Manager sets it for the heal of a
     # replica that never committed: nothing in its tensors can be lost.
     receive_into: Callable[[], object] | None = None
+    # Populated memory that a receive's fresh host tensors are carved out
+    # of (ftdist's transports). The Manager sets it for the first heal of a
+    # replica that never committed, having filled it during the quorum wait.
+    receive_reserve: ReceiveReserve | None = None
 
     @abstractmethod
     def metadata(self) -> str:

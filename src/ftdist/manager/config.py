@@ -19,6 +19,7 @@ their ``TORCHFT_*`` names second, so torchft launch scripts keep working;
 | group rank | ``rank`` | ``RANK`` | 0 |
 | group world size | ``world_size`` | ``WORLD_SIZE`` | 1 |
 | store | ``store_addr``/``store_port`` | ``MASTER_ADDR``/``MASTER_PORT`` | a store of its own (group world size 1 only) |
+| first heal's receive reserve | — | ``FTDIST_CHECKPOINT_RECEIVE_RESERVE_MB`` | 1024 MiB (read by :mod:`ftdist.checkpointing.config`) |
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from enum import IntEnum
 from typing import Any
 
 from ftdist._advertise import advertised_host
+from ftdist.checkpointing.config import receive_reserve_bytes
 from ftdist.lighthouse.config import lighthouse_address
 
 DEFAULT_TIMEOUT = timedelta(seconds=60)
@@ -160,6 +162,9 @@ class ManagerConfig:
     # torchrun's restart attempt (TORCHELASTIC_RESTART_COUNT): each attempt
     # of a replica group meets under its own store prefix.
     restart_attempt: str = "0"
+    # The most memory (bytes) a never-committed replica populates for its
+    # first heal's fresh tensors while its quorum forms.
+    reserve: int = 0
 
     @classmethod
     def resolve(
@@ -284,4 +289,5 @@ class ManagerConfig:
             max_retries=max_retries,
             check_consistency_every=_every,
             restart_attempt=env.get("TORCHELASTIC_RESTART_COUNT") or "0",
+            reserve=receive_reserve_bytes(None, env),
         )

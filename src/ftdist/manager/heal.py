@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_flatten_with_path
 
 from ftdist.checkpointing import CheckpointTransport, TransferStats
 from ftdist.checkpointing._checksum import WordSum
+from ftdist.checkpointing._prefault import ReceiveReserve
 from ftdist.checkpointing._wire import sum_tensor
 from ftdist.errors import StateDivergenceError
 
@@ -83,6 +84,9 @@ class HealTimeline:
         load_s: applying the received state (receive only).
         route: how the bytes travelled (receive only; see
             :attr:`~ftdist.checkpointing.TransferStats.route`), "" if unknown.
+        reserved_bytes: fresh tensor bytes that landed in memory populated
+            while the quorum formed (receive only; see
+            :meth:`Healer.reserve_like`).
     """
 
     step: int
@@ -95,6 +99,7 @@ class HealTimeline:
     transfer_s: float = 0.0
     load_s: float = 0.0
     route: str = ""
+    reserved_bytes: int = 0
 
     @property
     def total_s(self) -> float:
@@ -147,6 +152,7 @@ class HealTimeline:
             "load_s": self.load_s,
             "total_s": self.total_s,
             "route": self.route,
+            "reserved_bytes": self.reserved_bytes,
         }
 
 
@@ -259,6 +265,9 @@ class Healer:
         report: delivers a heal report to the lighthouse's history (group
             rank 0's manager server); received heals are reported as they go,
             from a thread of their own (:class:`HealReporter`).
+        reserve_limit: the most memory :meth:`reserve_like` sets aside, in
+            bytes (0: none; the Manager passes what
+            ``FTDIST_CHECKPOINT_RECEIVE_RESERVE_MB`` says).
     """
 
     def __init__(
@@ -267,6 +276,7 @@ class Healer:
         timeout: timedelta,
         connect: Callable[[str], ManagerClientLike],
         report: Callable[[dict[str, Any]], None] | None = None,
+        reserve_limit: int = 0,
     ) -> None:
         self.transport = transport
         self._timeout = timeout
@@ -274,6 +284,18 @@ class Healer:
         self.reporter = HealReporter(report) if report is not None else None
         # Most recently used last; every restarted peer has a new address.
         self._sources: OrderedDict[str, ManagerClientLike] = OrderedDict()
+        self._reserve_limit = reserve_limit
+
+    def reserve_like(self, own: Callable[[], object]) -> ReceiveReserve | None:
+        """Memory for a likely first heal's fresh tensors, populated from now
+        on: as large as the CPU tensors of ``own()`` (this rank's state), at
+        most ``FTDIST_CHECKPOINT_RECEIVE_RESERVE_MB``. None where the
+        transport cannot use it (not ftdist's) or nothing is worth reserving.
+        """
+        if self._reserve_limit <= 0 or not isinstance(self.transport, CheckpointTransport):
+            return None
+        state = own()
+        return None if state is None else ReceiveReserve.like(state, self._reserve_limit)
 
     def serve(
         self, quorum: QuorumResult, state: dict[str, Any], quorum_s: float, reconfigure_s: float
@@ -300,12 +322,15 @@ class Healer:
         quorum_s: float,
         reconfigure_s: float,
         into: Callable[[], object] | None = None,
+        reserve: ReceiveReserve | None = None,
     ) -> tuple[dict[str, Any], HealTimeline]:
         """Fetch the state of the quorum's max step from this rank's heal source.
 
         ``into`` returns this rank's own state, whose matching tensors the
         transfer overwrites in place (see
-        :attr:`~ftdist.checkpointing.CheckpointTransport.receive_into`).
+        :attr:`~ftdist.checkpointing.CheckpointTransport.receive_into`);
+        the fresh ones are carved out of ``reserve`` while it has room
+        (:meth:`reserve_like`).
 
         Returns:
             The received state and the heal's timeline (its ``load_s`` is
@@ -331,6 +356,7 @@ class Healer:
             start = time.perf_counter()
             # Set for this receive only; a transport without the hooks ignores them.
             self.transport.receive_into = into
+            self.transport.receive_reserve = reserve
             if self.reporter is not None:
                 self.transport.progress = self._progress(timeline)
             try:
@@ -340,6 +366,7 @@ class Healer:
             finally:
                 self.transport.progress = None
                 self.transport.receive_into = None
+                self.transport.receive_reserve = None
         except Exception as exc:
             timeline.transfer_s = time.perf_counter() - start
             self.tell(timeline, "failed", repr(exc))
@@ -347,6 +374,7 @@ class Healer:
         timeline.transfer_s = time.perf_counter() - start
         stats = _last_transfer(self.transport)
         timeline.transfer_bytes, timeline.route = stats.nbytes, stats.route
+        timeline.reserved_bytes = reserve.taken if reserve is not None else 0
         self.tell(timeline, "load")
         if not isinstance(state, dict):
             raise TypeError(f"the heal source sent a {type(state).__name__}, not a state dict")

@@ -218,7 +218,7 @@ class Manager(TorchftInternals, StateRegistration):
         self._news = boot.news
         self._own_store = boot.own_store
         report = getattr(boot.server, "report_heal", None)  # group rank 0: to the lighthouse
-        self._healer = Healer(transport, config.timeout, boot.connect, report)
+        self._healer = Healer(transport, config.timeout, boot.connect, report, config.reserve)
         self._round = QuorumRound(
             client=self._client,
             group_rank=config.group_rank,

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from ftdist.checkpointing._prefault import ReceiveReserve
 from ftdist.manager.client import ManagerClientLike, ManagerQuorumResult
 from ftdist.manager.heal import Healer, HealTimeline
 from ftdist.manager.membership import GroupMembership
@@ -186,6 +187,49 @@ class QuorumRound:
             CoordinationError: the manager server or the lighthouse refused.
             ValueError: healing is needed but no state is registered.
         """
+        own: Callable[[], object] | None = None
+        reserve = None
+        if heal_in_place:
+            asked: list[object] = []
+
+            def own() -> object:
+                # Asked at most once, for the reserve and the heal both.
+                if not asked:
+                    asked.append(self._own_state())
+                return asked[0]
+
+            if self._user_state:
+                # Never committed: a heal is likely, and its optimizer state
+                # is fresh memory to fault in. Populate some during the
+                # quorum wait, while a core is idle.
+                reserve = self._healer.reserve_like(own)
+        try:
+            return self._run(
+                step=step,
+                own=own,
+                reserve=reserve,
+                commit_failures=commit_failures,
+                send_fingerprint=send_fingerprint,
+                allow_heal=allow_heal,
+                shrink_only=shrink_only,
+                timeout=timeout,
+            )
+        finally:
+            if reserve is not None:
+                reserve.close()
+
+    def _run(
+        self,
+        *,
+        step: int,
+        own: Callable[[], object] | None,
+        reserve: ReceiveReserve | None,
+        commit_failures: int,
+        send_fingerprint: bool,
+        allow_heal: bool,
+        shrink_only: bool,
+        timeout: timedelta,
+    ) -> RoundOutcome:
         start = time.perf_counter()
         fingerprint = None
         if send_fingerprint and self._consistency:
@@ -248,9 +292,13 @@ class QuorumRound:
                 # In place only while nothing committed is in the tensors (a
                 # transfer that fails half-way leaves them half overwritten)
                 # and nothing reads them (the heal is awaited before a forward).
-                into = self._own_state if heal_in_place else None
                 state, timeline = self._healer.receive(
-                    quorum, self._group_rank, quorum_s, reconfigure_s or 0.0, into=into
+                    quorum,
+                    self._group_rank,
+                    quorum_s,
+                    reconfigure_s or 0.0,
+                    into=own,
+                    reserve=reserve,
                 )
                 out.staged = Staged(state, quorum.max_step, timeline)
         except Exception as exc:
