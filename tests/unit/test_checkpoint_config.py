@@ -62,7 +62,7 @@ def test_the_receive_reserve_is_argument_then_environment_then_a_gib(
     assert receive_reserve_bytes(argument, env) == expected
 
 
-@pytest.mark.parametrize("value", ["-1", "1.5", "1G", "lots"])
+@pytest.mark.parametrize("value", ["-1", "1.5", "1G", "lots", "\u00b2", "\uff11\uff12"])
 def test_a_receive_reserve_that_is_not_whole_mib_names_itself_and_the_fix(value: str) -> None:
     with pytest.raises(ValueError, match=rf"RECEIVE_RESERVE_MB='{value}'.*whole number of MiB"):
         receive_reserve_bytes(None, {"FTDIST_CHECKPOINT_RECEIVE_RESERVE_MB": value})

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ftdist.checkpointing import CheckpointTransport
+from ftdist.checkpointing._prefault import ReceiveReserve
 from ftdist.errors import CheckpointError, CoordinationTimeoutError
 from ftdist.manager import Manager, WorldSizeMode
 from ftdist.manager.allreduce_result import AllreduceResult
@@ -571,3 +572,112 @@ def test_fingerprints_of_large_models_fold_into_few_parts() -> None:
     assert fold_parts(fine, 3) == fine
     assert set(fold_parts(fine, 2)) == {"a/b/c", "x"}
     assert set(fold_parts(fine, 1)) == {"a", "x"}  # as coarse as it goes
+
+
+# -- the receive reserve of a replica that never committed ------------------------------------
+
+BIG = 2 << 20  # bytes of the big model's one tensor: worth a reserve
+
+
+class ReserveSeeingTransport(MemoryTransport):
+    """Records the receive reserve each receive was given."""
+
+    def __init__(self, state: Any = None) -> None:
+        super().__init__(state)
+        self.reserves: list[Any] = []
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
+        self.reserves.append(self.receive_reserve)
+        return super().recv_checkpoint(src_rank, metadata, step, timeout)
+
+
+class BigModel(Model):
+    """A model of one 2 MiB tensor that counts how often its state is asked."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.w = torch.zeros(BIG // 4)
+        self.fail = fail
+        self.saves = 0
+
+    def save(self) -> dict[str, torch.Tensor]:
+        self.saves += 1
+        if self.fail:
+            raise RuntimeError("state_dict() is broken")
+        return {"w": self.w}
+
+
+def _reserve_threads() -> list[Any]:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "ftdist-reserve"]
+
+
+needs_populate = pytest.mark.skipif(
+    not ReceiveReserve.possible(1), reason="this kernel has no MADV_POPULATE_WRITE"
+)
+
+
+@needs_populate
+def test_a_fresh_replicas_heal_gets_a_reserve_as_large_as_its_state_then_it_is_closed(
+    make: Any,
+) -> None:
+    transport = ReserveSeeingTransport(state=_healed_state(9.0, 5))
+    model = BigModel()
+    manager, client, _, _ = make(transport=transport, model=model)
+    client.push_quorum(_heal_quorum(5))
+    manager.start_quorum()
+    (reserve,) = transport.reserves
+    assert isinstance(reserve, ReceiveReserve) and reserve.nbytes == BIG
+    assert transport.receive_reserve is None  # set for that receive only
+    assert reserve.take(BIG) is None and not _reserve_threads()  # closed with the round
+    assert model.saves == 1  # asked once, for the reserve and the in-place heal both
+    assert manager.current_step() == 5
+
+
+@needs_populate
+@pytest.mark.parametrize("answer", ["no heal", "quorum fails"])
+def test_a_round_that_does_not_heal_closes_its_reserve(make: Any, answer: str) -> None:
+    manager, client, _, model = make(transport=ReserveSeeingTransport(), model=BigModel())
+    if answer == "quorum fails":
+        client.push_quorum(CoordinationTimeoutError("lighthouse quorum timed out"))
+    manager.start_quorum()
+    if answer == "quorum fails":
+        with pytest.raises(TimeoutError):
+            manager.wait_quorum()
+    assert model.saves == 1 and not _reserve_threads()
+
+
+def test_no_reserve_without_a_heal_allowed_a_setting_or_a_working_state_dict(
+    make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manager, _, _, model = make(transport=ReserveSeeingTransport(), model=BigModel())
+    manager.start_quorum(allow_heal=False)
+    assert model.saves == 0  # nothing to reserve for: the state is not asked
+
+    def heal(model: BigModel) -> list[Any]:
+        transport = ReserveSeeingTransport(state=_healed_state(9.0, 5))
+        manager, client, _, _ = make(transport=transport, model=model)
+        client.push_quorum(_heal_quorum(5))
+        manager.start_quorum()
+        assert manager.current_step() == 5  # healed all the same
+        return transport.reserves
+
+    assert heal(BigModel(fail=True)) == [None]
+    monkeypatch.setenv("FTDIST_CHECKPOINT_RECEIVE_RESERVE_MB", "0")
+    assert heal(BigModel()) == [None]
+    assert not _reserve_threads()
+
+
+def test_a_reserve_that_cannot_be_had_does_not_fail_the_round(
+    make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(ReceiveReserve, "like", classmethod(refuse))
+    transport = ReserveSeeingTransport(state=_healed_state(9.0, 5))
+    manager, client, _, _ = make(transport=transport, model=BigModel())
+    client.push_quorum(_heal_quorum(5))
+    manager.start_quorum()
+    assert transport.reserves == [None] and manager.current_step() == 5

@@ -3,6 +3,8 @@ reserves populated ahead hand out tensors of their own and give back the rest.""
 
 from __future__ import annotations
 
+import io
+import mmap
 import threading
 import time
 from typing import Any
@@ -10,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from ftdist.checkpointing import _prefault
+from ftdist.checkpointing import _prefault, _wire
 from ftdist.checkpointing._prefault import (
     MIN_BYTES,
     WINDOW,
@@ -129,15 +131,27 @@ def test_closing_a_reserve_that_nothing_used_unmaps_it_and_stops_its_helper() ->
     assert not _reserve_threads()
 
 
+def _resident() -> int:
+    """This process's resident bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * mmap.PAGESIZE
+
+
 @needs_populate
-def test_the_helper_populates_the_whole_reserve_until_stopped() -> None:
-    with ReceiveReserve(4 * MIN_BYTES) as reserve:
-        assert reserve._thread is not None
-        reserve._thread.join(timeout=30)
-        assert not reserve._thread.is_alive()
-        # Populated memory is zeroed memory: a take is ready to receive into.
-        t = reserve.take(4 * MIN_BYTES)
-        assert t is not None and not t.any()
+def test_the_helper_populates_the_reserve_and_close_gives_back_what_nothing_took() -> None:
+    before = _resident()
+    reserve = ReceiveReserve(64 * MIN_BYTES)
+    assert reserve._thread is not None
+    reserve._thread.join(timeout=30)
+    assert not reserve._thread.is_alive()
+    # Resident before anything touched it: the helper populated it.
+    assert _resident() - before >= 60 * MIN_BYTES
+    # Populated memory is zeroed memory: a take is ready to receive into.
+    t = reserve.take(16 * MIN_BYTES)
+    assert t is not None and not t.any()
+    reserve.close()
+    assert _resident() - before < 24 * MIN_BYTES  # the 48 MiB tail went back
+    del t
 
 
 @needs_populate
@@ -158,3 +172,48 @@ def test_a_reserve_is_as_large_as_the_states_cpu_tensors_within_its_limit() -> N
     assert ReceiveReserve.like(state, limit=0) is None
     assert ReceiveReserve.like({"b": torch.empty(10)}, limit=1 << 30) is None
     assert ReceiveReserve.like(None, limit=1 << 30) is None
+
+
+@needs_populate
+@pytest.mark.parametrize(
+    "dtype", [torch.bool, torch.uint8, torch.bfloat16, torch.float32, torch.complex64]
+)
+def test_fresh_leaves_of_any_dtype_and_dense_layout_come_out_of_the_reserve(
+    dtype: torch.dtype,
+) -> None:
+    from tests.unit.checkpoint_helpers import assert_identical, stream_bytes
+
+    g = torch.Generator().manual_seed(3)
+    noise = torch.randn(1024, 1024, generator=g)
+    base = noise > 0 if dtype == torch.bool else (noise * 100).to(dtype)  # >= 1 MiB each
+    state = {
+        "plain": base,
+        "transposed": base.t().clone().t(),  # dense, another dimension order
+        "permuted": base.clone().reshape(8, 128, 1024).permute(2, 0, 1),
+    }
+    (data,) = stream_bytes(state)
+    with ReceiveReserve(3 * base.numel() * base.element_size() + 3 * 4096) as reserve:
+        reader = _wire.StreamReader(io.BytesIO(data).readinto, "test")
+        header, got = _wire.read_leaves(reader, 1, size=len(data), reserve=reserve)
+        assert all(reserve.owns(t) for t in got.values())
+    assert_identical(state, _wire.assemble(header, got))
+
+
+@needs_populate
+def test_leaves_that_leave_the_host_are_not_carved_out_of_the_reserve() -> None:
+    # Staged on the host and moved: a carved staging copy, dropped, would keep
+    # the reserve's mapping resident for as long as anything carved lives.
+    from tests.unit.checkpoint_helpers import stream_bytes
+
+    state = {"stays": torch.ones(MIN_BYTES // 4), "goes": torch.full((MIN_BYTES // 4,), 2.0)}
+    (data,) = stream_bytes(state)
+
+    def device(meta: Any) -> torch.device:
+        return torch.device("meta" if meta.path[-1] == "goes" else "cpu")
+
+    with ReceiveReserve(4 * MIN_BYTES) as reserve:
+        reader = _wire.StreamReader(io.BytesIO(data).readinto, "test")
+        header, got = _wire.read_leaves(reader, 1, device, size=len(data), reserve=reserve)
+        moved = _wire.assemble(header, got)
+        assert reserve.taken == MIN_BYTES
+    assert moved["goes"].device.type == "meta" and torch.equal(moved["stays"], state["stays"])

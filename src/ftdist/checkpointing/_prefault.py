@@ -42,6 +42,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import functools
+import logging
 import mmap
 import sys
 import threading
@@ -50,10 +51,16 @@ from typing import Any
 import torch
 
 from ftdist.checkpointing import _dtensor
+from ftdist.checkpointing._codec import LeafMeta, where
 from ftdist.checkpointing._targets import tensors_by_path
+from ftdist.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
-_PAGE = 4096
+# The kernel's page: madvise wants its ranges aligned to it (64 KiB on some
+# aarch64 hosts, where a 4 KiB-aligned range is refused).
+_PAGE = mmap.PAGESIZE
 # Pages are populated this many bytes per call: small enough to stay just
 # ahead of the receiver, large enough that calls cost nothing.
 _STEP = 8 << 20
@@ -174,6 +181,8 @@ class ReceiveReserve:
 
     Raises:
         ValueError: ``nbytes`` is not a positive int.
+        OSError: the memory cannot be mapped (an address-space limit, strict
+            overcommit).
     """
 
     def __init__(self, nbytes: int) -> None:
@@ -206,8 +215,11 @@ class ReceiveReserve:
 
         A replica that never stepped lacks its optimizer's state; the common
         optimizers keep one or two tensors per parameter, as large as it.
+
+        Raises:
+            OSError: the memory cannot be mapped.
         """
-        if limit <= 0 or _madvise() is None:
+        if not cls.possible(limit):
             return None
         total = 0
         for t in tensors_by_path(state).values():
@@ -218,6 +230,11 @@ class ReceiveReserve:
                 total += -(-nbytes // _PAGE) * _PAGE
         total = min(total, limit)
         return cls(total) if total >= MIN_BYTES else None
+
+    @staticmethod
+    def possible(limit: int) -> bool:
+        """Whether a reserve of at most ``limit`` bytes can be had and populated here."""
+        return limit > 0 and _madvise() is not None
 
     @property
     def nbytes(self) -> int:
@@ -268,14 +285,40 @@ class ReceiveReserve:
             if self._closed:
                 return
             self._closed = True
-            if self._next == 0:
-                self._map.close()
-            elif self._next < self._size:
-                # The carved tensors keep the mapping; its tail's pages go back.
-                self._map.madvise(mmap.MADV_DONTNEED, self._next, self._size - self._next)
+            try:
+                if self._next == 0:
+                    self._map.close()
+                elif self._next < self._size:
+                    # The carved tensors keep the mapping; its tail's pages go back.
+                    self._map.madvise(mmap.MADV_DONTNEED, self._next, self._size - self._next)
+            except OSError as exc:  # advice only: the heal it served stands
+                logger.info("could not give back an unused receive reserve: %r", exc)
 
     def __enter__(self) -> ReceiveReserve:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def allocate(
+    meta: LeafMeta, device: torch.device, reserve: ReceiveReserve | None = None
+) -> torch.Tensor:
+    """An uninitialised tensor laid out as ``meta`` says (on the host, carved
+    out of ``reserve`` while it has room).
+
+    Raises:
+        CheckpointError: the memory cannot be had.
+    """
+    if reserve is not None and device.type == "cpu":
+        flat = reserve.take(meta.nbytes)
+        if flat is not None:
+            # The strides are dense in some order: the flat bytes hold them exactly.
+            return flat.view(meta.dtype).as_strided(meta.shape, meta.stride)
+    try:
+        t = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=device)
+    except RuntimeError as exc:
+        raise CheckpointError(
+            f"cannot allocate {meta.nbytes} bytes for {where(meta.path)}: {exc}"
+        ) from exc
+    return t

@@ -43,7 +43,7 @@ import torch
 from ftdist.checkpointing import _codec, _dtensor
 from ftdist.checkpointing._checksum import SumBehind, WordSum
 from ftdist.checkpointing._codec import LeafMeta, dense_stride, where
-from ftdist.checkpointing._prefault import Prefaulter, ReceiveReserve
+from ftdist.checkpointing._prefault import Prefaulter, ReceiveReserve, allocate
 from ftdist.errors import CheckpointError
 
 MAGIC = b"FTDCKPT3"
@@ -408,29 +408,6 @@ def check_step(header: Header, step: int, what: str) -> None:
         )
 
 
-def allocate(
-    meta: LeafMeta, device: torch.device, reserve: ReceiveReserve | None = None
-) -> torch.Tensor:
-    """An uninitialised tensor laid out as ``meta`` says (on the host, carved
-    out of ``reserve`` while it has room).
-
-    Raises:
-        CheckpointError: the memory cannot be had.
-    """
-    if reserve is not None and device.type == "cpu":
-        flat = reserve.take(meta.nbytes)
-        if flat is not None:
-            # The strides are dense in some order: the flat bytes hold them exactly.
-            return flat.view(meta.dtype).as_strided(meta.shape, meta.stride)
-    try:
-        t = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=device)
-    except RuntimeError as exc:
-        raise CheckpointError(
-            f"cannot allocate {meta.nbytes} bytes for {where(meta.path)}: {exc}"
-        ) from exc
-    return t
-
-
 class BodySource(Protocol):
     """Where a stream's tensor bytes come from when not from the stream itself."""
 
@@ -493,6 +470,11 @@ def _read_leaves(
     own = targets(header) if targets is not None else {}
     cpu = torch.device("cpu")
     got: dict[int, torch.Tensor] = {}
+
+    def place(index: int) -> torch.device:
+        meta = header.leaves[index]
+        return cpu if index in own or device is None or meta.kind == "ndarray" else device(meta)
+
     with Prefaulter() as prefault:
         # Fresh leaves land on the host, then move to their device.
         advance = prefault.advance
@@ -503,16 +485,16 @@ def _read_leaves(
                 prefault.advance(nbytes)
                 progress(nbytes)
 
-        for pos, index, t in staged_leaves(header, own, cpu, prefault, reserve):
+        # Only leaves that stay on the host are carved out of the reserve: a
+        # dropped staging copy would keep the reserve's mapping resident.
+        on_host = (lambda index: place(index).type == "cpu") if reserve is not None else None
+        for pos, index, t in staged_leaves(header, own, cpu, prefault, reserve, on_host):
             if source is None:
                 reader.read_into(flat_bytes(t), advance)
             else:
                 source.fill(pos, flat_bytes(t), advance)
-            meta = header.leaves[index]
-            place = (
-                cpu if index in own or device is None or meta.kind == "ndarray" else device(meta)
-            )
-            got[index] = t if place.type == "cpu" else t.to(place)
+            to = place(index)
+            got[index] = t if to.type == "cpu" else t.to(to)
     if source is not None:
         source.finish()
     reader.read_trailer()
@@ -525,11 +507,13 @@ def staged_leaves(
     device: torch.device,
     prefault: Prefaulter,
     reserve: ReceiveReserve | None = None,
+    on_host: Callable[[int], bool] | None = None,
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
     """A stream's leaves in order: (position, leaf index, tensor that receives it).
 
     The tensor is the receiver's own (``own``, by leaf index) or a fresh one
-    on ``device`` (out of ``reserve`` while it has room), allocated when its
+    on ``device`` (out of ``reserve`` while it has room, for the leaves that
+    ``on_host`` says stay there, by leaf index: all if None), allocated when its
     turn comes or when the prefault window reaches it, so that its pages are
     populated ahead of the bytes; a peer that announces a large state makes
     the receiver hold no more than the window beyond what it sent.
@@ -545,7 +529,8 @@ def staged_leaves(
             leaf_index = carried[ahead]
             t = own.get(leaf_index)
             if t is None:
-                t = allocate(header.leaves[leaf_index], device, reserve)
+                keep = on_host is None or on_host(leaf_index)
+                t = allocate(header.leaves[leaf_index], device, reserve if keep else None)
                 prefault.add(t, fresh=True)
             else:
                 prefault.add(t, fresh=False)

@@ -27,6 +27,7 @@ spelled out here (docs/configuration.md lists them all):
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 
 __all__ = [
@@ -96,14 +97,13 @@ def receive_reserve_bytes(
                 f"receive reserve of {argument!r} bytes: give a whole number of bytes, 0 for none"
             )
         return argument
-    value = (
-        (os.environ if environ is None else environ)
-        .get("FTDIST_CHECKPOINT_RECEIVE_RESERVE_MB", "")
-        .strip()
-    )
+    env = os.environ if environ is None else environ
+    value = env.get("FTDIST_CHECKPOINT_RECEIVE_RESERVE_MB", "").strip()
     if not value:
         return DEFAULT_RECEIVE_RESERVE_MB << 20
-    if not value.isdigit():
+    if not re.fullmatch(
+        r"[0-9]+", value
+    ):  # str.isdigit() also takes superscripts, full-width digits
         raise ValueError(
             f"FTDIST_CHECKPOINT_RECEIVE_RESERVE_MB={value!r} is not understood: set it to a "
             f"whole number of MiB (default {DEFAULT_RECEIVE_RESERVE_MB}), or 0 for none"

@@ -187,6 +187,8 @@ class HealEvent(_Event):
         route: how the bytes travelled (``"tcp"``, ``"local"``, ``"direct"``, ``"process
             group"``; "" when not received, or in a log written before it was
             recorded).
+        reserved_bytes: received bytes that landed in memory populated during
+            the quorum wait (0 in a log written before it was recorded).
     """
 
     kind: ClassVar[str] = "heal"
@@ -201,6 +203,7 @@ class HealEvent(_Event):
     load_s: float
     total_s: float
     route: str = ""
+    reserved_bytes: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -290,9 +290,14 @@ class Healer:
         """Memory for a likely first heal's fresh tensors, populated from now
         on: as large as the CPU tensors of ``own()`` (this rank's state), at
         most ``FTDIST_CHECKPOINT_RECEIVE_RESERVE_MB``. None where the
-        transport cannot use it (not ftdist's) or nothing is worth reserving.
+        transport cannot use it (not ftdist's), this host cannot populate
+        memory ahead, or nothing is worth reserving; ``own`` is then not asked.
+
+        Raises:
+            OSError: the memory cannot be mapped.
         """
-        if self._reserve_limit <= 0 or not isinstance(self.transport, CheckpointTransport):
+        usable = isinstance(self.transport, CheckpointTransport)
+        if not usable or not ReceiveReserve.possible(self._reserve_limit):
             return None
         state = own()
         return None if state is None else ReceiveReserve.like(state, self._reserve_limit)

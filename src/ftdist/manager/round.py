@@ -154,7 +154,9 @@ class QuorumRound:
             return {"user": self._user_state.save()}
         except Exception as exc:
             logger.info(
-                "%s healing into fresh memory: state_dict() failed: %r", self._prefix(), exc
+                "%s no in-place heal or receive reserve: state_dict() failed: %r",
+                self._prefix(),
+                exc,
             )
             return None
 
@@ -180,7 +182,9 @@ class QuorumRound:
 
         ``heal_in_place``: a heal is received straight into this replica's own
         tensors (it never committed, and the caller awaits the heal before
-        anything reads them).
+        anything reads them). Such a round asks the user's state once, before
+        the quorum, to size a receive reserve (:meth:`Healer.reserve_like`)
+        where one can be had, and keeps it for the heal.
 
         Raises:
             TimeoutError: no quorum within ``timeout``.
@@ -198,11 +202,14 @@ class QuorumRound:
                     asked.append(self._own_state())
                 return asked[0]
 
-            if self._user_state:
+            if self._user_state and allow_heal:
                 # Never committed: a heal is likely, and its optimizer state
                 # is fresh memory to fault in. Populate some during the
                 # quorum wait, while a core is idle.
-                reserve = self._healer.reserve_like(own)
+                try:
+                    reserve = self._healer.reserve_like(own)
+                except Exception as exc:  # a speed-up only: never a reason to fail the round
+                    logger.info("%s no receive reserve: %r", self._prefix(), exc)
         try:
             return self._run(
                 step=step,
