@@ -15,9 +15,10 @@ thread, so a received state and its step can never be seen apart.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -191,123 +192,110 @@ class QuorumRound:
             CoordinationError: the manager server or the lighthouse refused.
             ValueError: healing is needed but no state is registered.
         """
-        own: Callable[[], object] | None = None
-        reserve = None
-        if heal_in_place:
-            asked: list[object] = []
-
-            def own() -> object:
-                # Asked at most once, for the reserve and the heal both.
-                if not asked:
-                    asked.append(self._own_state())
-                return asked[0]
-
-            if self._user_state and allow_heal:
-                # Never committed: a heal is likely, and its optimizer state
-                # is fresh memory to fault in. Populate some during the
-                # quorum wait, while a core is idle.
-                try:
-                    reserve = self._healer.reserve_like(own)
-                except Exception as exc:  # a speed-up only: never a reason to fail the round
-                    logger.info("%s no receive reserve: %r", self._prefix(), exc)
-        try:
-            return self._run(
+        with self._first_heal(heal_in_place, allow_heal) as (own, reserve):
+            start = time.perf_counter()
+            fingerprint = None
+            if send_fingerprint and self._consistency:
+                fingerprint = self._consistency.fingerprint()
+            # By keyword, under torchft's name: code that mocks the client
+            # scripts ``_quorum`` and reads its keyword arguments.
+            extra = {} if fingerprint is None else {"fingerprint": fingerprint}
+            quorum = self._client._quorum(
+                group_rank=self._group_rank,
                 step=step,
-                own=own,
-                reserve=reserve,
-                commit_failures=commit_failures,
-                send_fingerprint=send_fingerprint,
-                allow_heal=allow_heal,
+                checkpoint_metadata=self._healer.transport.metadata(),
                 shrink_only=shrink_only,
                 timeout=timeout,
+                commit_failures=commit_failures,
+                init_sync=self.init_sync,
+                **extra,
             )
+            quorum_s = time.perf_counter() - start
+            out = RoundOutcome(quorum)
+            if getattr(quorum, "divergence", ""):
+                logger.warning("%s %s", self._prefix(), quorum.divergence)
+            out.participating_rank, out.participating_world_size = participation(
+                quorum,
+                async_quorum=self._async,
+                allow_heal=allow_heal,
+                fixed_with_spares=self._spares,
+                min_replica_size=self._min_replica_size,
+            )
+            try:
+                reconfigure_s = self._membership.follow(quorum)
+            except Exception as exc:
+                out.errors.append(exc)
+                return self._record(out)
+            out.configured = True
+            out.reconfigured = reconfigure_s is not None
+            if out.reconfigured:
+                logger.info(
+                    "%s reconfigured for quorum %d: %d replica groups %s",
+                    self._prefix(),
+                    quorum.quorum_id,
+                    quorum.replica_world_size,
+                    quorum.replica_ids,
+                )
+            if not allow_heal:
+                return self._record(out)
+            if (quorum.heal or quorum.recover_dst_replica_ranks) and not self._user_state:
+                raise ValueError(
+                    "healing is needed but no state_dict function is registered: pass "
+                    "load_state_dict/state_dict to Manager or call register_state_dict_fn()"
+                )
+            out.heal = quorum.heal
+            try:
+                if quorum.recover_dst_replica_ranks:
+                    out.served.append(
+                        self._healer.serve(
+                            quorum, self._state_for_peers(), quorum_s, reconfigure_s or 0.0
+                        )
+                    )
+                if quorum.heal:
+                    # In place only while nothing committed is in the tensors (a
+                    # transfer that fails half-way leaves them half overwritten)
+                    # and nothing reads them (the heal is awaited before a forward).
+                    state, timeline = self._healer.receive(
+                        quorum,
+                        self._group_rank,
+                        quorum_s,
+                        reconfigure_s or 0.0,
+                        into=own,
+                        reserve=reserve,
+                    )
+                    out.staged = Staged(state, quorum.max_step, timeline)
+            except Exception as exc:
+                out.errors.append(exc)
+            return self._record(out)
+
+    @contextlib.contextmanager
+    def _first_heal(
+        self, heal_in_place: bool, allow_heal: bool
+    ) -> Iterator[tuple[Callable[[], object] | None, ReceiveReserve | None]]:
+        """For a replica that never committed: its own state, asked at most
+        once, and a receive reserve populated from now on (closed on leaving)."""
+        if not heal_in_place:
+            yield None, None
+            return
+        asked: list[object] = []
+
+        def own() -> object:
+            # Asked at most once, for the reserve and the heal both.
+            if not asked:
+                asked.append(self._own_state())
+            return asked[0]
+
+        reserve = None
+        if self._user_state and allow_heal:
+            # Never committed: a heal is likely, and its optimizer state is
+            # fresh memory to fault in. Populate some during the quorum wait,
+            # while a core is idle.
+            try:
+                reserve = self._healer.reserve_like(own)
+            except Exception as exc:  # a speed-up only: never a reason to fail the round
+                logger.info("%s no receive reserve: %r", self._prefix(), exc)
+        try:
+            yield own, reserve
         finally:
             if reserve is not None:
                 reserve.close()
-
-    def _run(
-        self,
-        *,
-        step: int,
-        own: Callable[[], object] | None,
-        reserve: ReceiveReserve | None,
-        commit_failures: int,
-        send_fingerprint: bool,
-        allow_heal: bool,
-        shrink_only: bool,
-        timeout: timedelta,
-    ) -> RoundOutcome:
-        start = time.perf_counter()
-        fingerprint = None
-        if send_fingerprint and self._consistency:
-            fingerprint = self._consistency.fingerprint()
-        # By keyword, under torchft's name: code that mocks the client
-        # scripts ``_quorum`` and reads its keyword arguments.
-        extra = {} if fingerprint is None else {"fingerprint": fingerprint}
-        quorum = self._client._quorum(
-            group_rank=self._group_rank,
-            step=step,
-            checkpoint_metadata=self._healer.transport.metadata(),
-            shrink_only=shrink_only,
-            timeout=timeout,
-            commit_failures=commit_failures,
-            init_sync=self.init_sync,
-            **extra,
-        )
-        quorum_s = time.perf_counter() - start
-        out = RoundOutcome(quorum)
-        if getattr(quorum, "divergence", ""):
-            logger.warning("%s %s", self._prefix(), quorum.divergence)
-        out.participating_rank, out.participating_world_size = participation(
-            quorum,
-            async_quorum=self._async,
-            allow_heal=allow_heal,
-            fixed_with_spares=self._spares,
-            min_replica_size=self._min_replica_size,
-        )
-        try:
-            reconfigure_s = self._membership.follow(quorum)
-        except Exception as exc:
-            out.errors.append(exc)
-            return self._record(out)
-        out.configured = True
-        out.reconfigured = reconfigure_s is not None
-        if out.reconfigured:
-            logger.info(
-                "%s reconfigured for quorum %d: %d replica groups %s",
-                self._prefix(),
-                quorum.quorum_id,
-                quorum.replica_world_size,
-                quorum.replica_ids,
-            )
-        if not allow_heal:
-            return self._record(out)
-        if (quorum.heal or quorum.recover_dst_replica_ranks) and not self._user_state:
-            raise ValueError(
-                "healing is needed but no state_dict function is registered: pass "
-                "load_state_dict/state_dict to Manager or call register_state_dict_fn()"
-            )
-        out.heal = quorum.heal
-        try:
-            if quorum.recover_dst_replica_ranks:
-                out.served.append(
-                    self._healer.serve(
-                        quorum, self._state_for_peers(), quorum_s, reconfigure_s or 0.0
-                    )
-                )
-            if quorum.heal:
-                # In place only while nothing committed is in the tensors (a
-                # transfer that fails half-way leaves them half overwritten)
-                # and nothing reads them (the heal is awaited before a forward).
-                state, timeline = self._healer.receive(
-                    quorum,
-                    self._group_rank,
-                    quorum_s,
-                    reconfigure_s or 0.0,
-                    into=own,
-                    reserve=reserve,
-                )
-                out.staged = Staged(state, quorum.max_step, timeline)
-        except Exception as exc:
-            out.errors.append(exc)
-        return self._record(out)
