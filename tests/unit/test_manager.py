@@ -637,7 +637,18 @@ def test_a_fresh_replicas_heal_gets_a_reserve_as_large_as_its_state_then_it_is_c
 
 @needs_populate
 @pytest.mark.parametrize("answer", ["no heal", "quorum fails"])
-def test_a_round_that_does_not_heal_closes_its_reserve(make: Any, answer: str) -> None:
+def test_a_round_that_does_not_heal_closes_its_reserve(
+    make: Any, monkeypatch: pytest.MonkeyPatch, answer: str
+) -> None:
+    made: list[ReceiveReserve] = []
+    like = ReceiveReserve.like
+
+    def recording(state: object, limit: int) -> ReceiveReserve | None:
+        reserve = like(state, limit)
+        made.extend([reserve] if reserve is not None else [])
+        return reserve
+
+    monkeypatch.setattr(ReceiveReserve, "like", recording)
     manager, client, _, model = make(transport=ReserveSeeingTransport(), model=BigModel())
     if answer == "quorum fails":
         client.push_quorum(CoordinationTimeoutError("lighthouse quorum timed out"))
@@ -646,6 +657,8 @@ def test_a_round_that_does_not_heal_closes_its_reserve(make: Any, answer: str) -
         with pytest.raises(TimeoutError):
             manager.wait_quorum()
     assert model.saves == 1 and not _reserve_threads()
+    (reserve,) = made
+    assert reserve.take(BIG) is None  # closed with the round, nothing taken
 
 
 def test_no_reserve_without_a_heal_allowed_a_setting_or_a_working_state_dict(

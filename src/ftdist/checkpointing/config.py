@@ -101,9 +101,8 @@ def receive_reserve_bytes(
     value = env.get("FTDIST_CHECKPOINT_RECEIVE_RESERVE_MB", "").strip()
     if not value:
         return DEFAULT_RECEIVE_RESERVE_MB << 20
-    if not re.fullmatch(
-        r"[0-9]+", value
-    ):  # str.isdigit() also takes superscripts, full-width digits
+    # ASCII digits only: str.isdigit() also takes superscripts and full-width digits.
+    if not re.fullmatch(r"[0-9]+", value):
         raise ValueError(
             f"FTDIST_CHECKPOINT_RECEIVE_RESERVE_MB={value!r} is not understood: set it to a "
             f"whole number of MiB (default {DEFAULT_RECEIVE_RESERVE_MB}), or 0 for none"
