@@ -122,7 +122,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     how.add_argument("--duration", type=_duration, help="start no run after this (600, 15m, 2h)")
     how.add_argument("--until-failure", action="store_true", help="stop after a run with a failure")
     how.add_argument("--burners", type=int, default=2, help="CPU burner processes (default 2)")
-    how.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (0: none)")
+    how.add_argument("--workers", type=int, default=3, help="pytest-xdist workers (0: none)")
     how.add_argument(
         "--run-timeout", type=_duration, default=3600.0, help="kill a run after this (default 1h)"
     )
