@@ -16,6 +16,7 @@ thread, so a received state and its step can never be seen apart.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -277,13 +278,8 @@ class QuorumRound:
         if not heal_in_place:
             yield None, None
             return
-        asked: list[object] = []
-
-        def own() -> object:
-            # Asked at most once, for the reserve and the heal both.
-            if not asked:
-                asked.append(self._own_state())
-            return asked[0]
+        # Asked at most once, for the reserve and the heal both.
+        own = functools.cache(self._own_state)
 
         reserve = None
         if self._user_state and allow_heal:
