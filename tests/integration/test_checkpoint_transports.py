@@ -23,8 +23,10 @@ import torch.distributed as dist
 
 from ftdist import _auth
 from ftdist.checkpointing import HTTPTransport, PGTransport, _wire
+from ftdist.checkpointing._checksum import WordSum
 from ftdist.checkpointing._prefault import ReceiveReserve
 from ftdist.checkpointing.http_transport import CheckpointHTTPError, CheckpointTimeoutError
+from ftdist.checkpointing.transport import TransferStats
 from ftdist.errors import CheckpointError
 from ftdist.launch.ranks import RankContext, Ranks, run_ranks
 
@@ -107,6 +109,27 @@ def _metadata(src: HTTPTransport[Any], route: str) -> str:
     return src.address()  # no local socket named: TCP
 
 
+def _assert_sums_vouch_for(transport: HTTPTransport[Any] | PGTransport[Any], got: Any) -> None:
+    """The transport's sums of each received tensor are those of its bytes."""
+    from torch.utils._pytree import tree_flatten
+
+    assert transport.last_transfer is not None
+    want = {}
+    for leaf in tree_flatten(got)[0]:
+        if type(leaf) is torch.Tensor and leaf.is_contiguous() and leaf.numel():
+            digest = WordSum()
+            _wire.sum_tensor(digest, leaf)
+            want[(leaf.data_ptr(), leaf.numel() * leaf.element_size())] = digest.total()
+    assert len(want) >= 4
+    assert {k: transport.last_transfer.tensor_sums.get(k) for k in want} == want
+    # A transposed tensor's bytes travel in storage order: they are no row-major sums of it.
+    t = got["model"]["w_t"]
+    assert (
+        TransferStats.of_receive(1, 1.0, "", {0: t}, {0: next(iter(want.values()))}).tensor_sums
+        == {}
+    )
+
+
 def _check_route(dst: HTTPTransport[Any], route: str) -> None:
     assert dst.last_transfer is not None
     assert dst.last_transfer.route == (route if route in ("direct", "local") else "tcp")
@@ -124,6 +147,7 @@ def test_http_round_trip_is_exact(
         src.send_checkpoint([1], step=7, state_dict=state, timeout=TIMEOUT)
         got = dst.recv_checkpoint(0, _metadata(src, route), step=7, timeout=TIMEOUT)
         _assert_same(state, got)
+        _assert_sums_vouch_for(dst, got)
         assert got["model"]["w_t"].stride() == (1, 33)  # a transposed tensor arrives transposed
         assert dst.last_transfer is not None and dst.last_transfer.nbytes > 64 * 33 * 4
         _check_route(dst, route)
@@ -226,7 +250,9 @@ def test_http_chunks_in_parallel(route: str) -> None:
     try:
         state = _state(1)
         src.send_checkpoint([1], 3, state, TIMEOUT)
-        _assert_same(state, dst.recv_checkpoint(0, _metadata(src, route), 3, TIMEOUT))
+        got = dst.recv_checkpoint(0, _metadata(src, route), 3, TIMEOUT)
+        _assert_same(state, got)
+        _assert_sums_vouch_for(dst, got)  # from three chunks
         _check_route(dst, route)
         # What the Manager sets for a replica that never committed: every
         # chunk lands in the receiver's own matching tensors.
@@ -630,6 +656,7 @@ def _pg_round_trip(ctx: RankContext, in_place: bool, wrong_step: bool) -> object
         except CheckpointError as exc:
             return str(exc)
         _assert_same(_state(2), got)
+        _assert_sums_vouch_for(transport, got)
         return got["model"]["w"].data_ptr() == original
     finally:
         pg.shutdown()

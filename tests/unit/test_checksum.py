@@ -130,3 +130,38 @@ def test_summing_behind_gives_the_same_digest_and_stops_its_thread() -> None:
     assert not [t for t in threading.enumerate() if t.name == "ftdist-checksum"]
     with SumBehind() as unused:  # no piece, no thread
         assert unused._thread is None
+
+
+@SETTINGS
+@given(segments, st.integers(min_value=0, max_value=4))
+def test_recorded_segment_sums_compose_into_the_whole_digest(segs: list[bytes], split: int) -> None:
+    # What a receiver relies on to fingerprint received tensors without
+    # reading them again: each segment's own sums, placed after any others,
+    # give the digest of the whole.
+    recorded = WordSum(record=True)
+    for seg in segs:
+        recorded.update(seg)
+        recorded.end_segment()
+    assert recorded.segments is not None and len(recorded.segments) == len(segs)
+    whole = _by_definition(segs)
+    assert recorded.digest() == whole
+    rebuilt = WordSum()
+    head = WordSum()
+    for seg in segs[: split % (len(segs) + 1)]:
+        head.update(seg)
+        head.end_segment()
+    rebuilt.add(head.total())  # a run of several segments at once
+    for run in recorded.segments[split % (len(segs) + 1) :]:
+        rebuilt.add(run)
+    assert rebuilt.digest() == whole
+    assert rebuilt.total() == recorded.total()
+
+
+def test_a_changed_word_changes_its_recorded_segment_only() -> None:
+    a, b = WordSum(record=True), WordSum(record=True)
+    for d, middle in ((a, b"x" * 16), (b, b"x" * 8 + b"y" * 8)):
+        for seg in (b"first", middle, b"last"):
+            d.update(seg)
+            d.end_segment()
+    assert a.segments is not None and b.segments is not None
+    assert [x == y for x, y in zip(a.segments, b.segments, strict=True)] == [True, False, True]

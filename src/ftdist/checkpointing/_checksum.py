@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -72,20 +72,39 @@ def _weighted(words: Any, base: int) -> tuple[int, int]:
     return s1 & MASK, s2 & MASK
 
 
+class SegmentSum(NamedTuple):
+    """The sums of a run of whole segments on their own (counted from word 0).
+
+    Sums compose: a run of ``words`` words placed after ``b`` others adds
+    ``s1`` to the first sum and ``s2 + b * s1`` to the second, so a digest
+    can be assembled from runs summed elsewhere (:meth:`WordSum.add`).
+    """
+
+    s1: int
+    s2: int
+    words: int
+
+
 class WordSum:
     """An incremental :mod:`word-sum <ftdist.checkpointing._checksum>` digest.
 
     ``update`` feeds the current segment (in any number of pieces);
     ``end_segment`` pads it to a whole word and starts the next.
+
+    Args:
+        record: keep each segment's own sums in :attr:`segments` (a
+            receiver reuses a tensor's sums instead of reading it again).
     """
 
-    __slots__ = ("_carry", "_s1", "_s2", "_words")
+    __slots__ = ("_carry", "_mark", "_s1", "_s2", "_words", "segments")
 
-    def __init__(self) -> None:
+    def __init__(self, record: bool = False) -> None:
         self._words = 0
         self._s1 = 0
         self._s2 = 0
         self._carry = b""
+        self._mark = (0, 0, 0)
+        self.segments: list[SegmentSum] | None = [] if record else None
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
         """Feed more bytes of the current segment (a contiguous buffer)."""
@@ -114,15 +133,39 @@ class WordSum:
             self._s2 = (self._s2 + s2) & MASK
             self._words += len(block)
 
-    def end_segment(self) -> None:
-        """Close the current segment (zero-padding it to a whole word)."""
+    def _pad(self) -> None:
         if self._carry:
             self._fold(np.frombuffer(self._carry.ljust(WORD, b"\0"), dtype=_WORDS))
             self._carry = b""
 
+    def end_segment(self) -> None:
+        """Close the current segment (zero-padding it to a whole word)."""
+        self._pad()
+        if self.segments is not None:
+            words, s1, s2 = self._mark
+            self.segments.append(self._since(words, s1, s2))
+            self._mark = (self._words, self._s1, self._s2)
+
+    def _since(self, words: int, s1: int, s2: int) -> SegmentSum:
+        own = (self._s1 - s1) & MASK
+        return SegmentSum(own, (self._s2 - s2 - words * own) & MASK, self._words - words)
+
+    def total(self) -> SegmentSum:
+        """Everything fed, as one run (the current segment is closed first)."""
+        self._pad()
+        return self._since(0, 0, 0)
+
+    def add(self, run: SegmentSum) -> None:
+        """Append a run of whole segments summed elsewhere (closes the current segment)."""
+        self._pad()
+        self._s1 = (self._s1 + run.s1) & MASK
+        self._s2 = (self._s2 + run.s2 + self._words * run.s1) & MASK
+        self._words += run.words
+        self._mark = (self._words, self._s1, self._s2)
+
     def digest(self) -> tuple[int, int]:
         """``(s1, s2)`` of everything fed (the current segment is closed first)."""
-        self.end_segment()
+        self._pad()
         return self._s1, self._s2
 
     def fold64(self) -> int:
@@ -146,8 +189,8 @@ class SumBehind:
     manager: leaving it stops the helper whatever happened.
     """
 
-    def __init__(self) -> None:
-        self._sum = WordSum()
+    def __init__(self, record: bool = False) -> None:
+        self._sum = WordSum(record)
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         # Started at the first piece: a stream refused at its header costs no thread.
         self._thread: threading.Thread | None = None
@@ -180,6 +223,11 @@ class SumBehind:
         """Wait for every queued piece; the digest of them all."""
         self.close()
         return self._sum.digest()
+
+    @property
+    def segments(self) -> list[SegmentSum] | None:
+        """Each segment's own sums (see :class:`WordSum`); read after :meth:`digest`."""
+        return self._sum.segments
 
     def close(self) -> None:
         """Stop the helper once the queued pieces are summed (idempotent)."""

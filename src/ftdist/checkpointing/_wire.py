@@ -41,7 +41,7 @@ from typing import Any, Protocol, cast
 import torch
 
 from ftdist.checkpointing import _codec, _dtensor
-from ftdist.checkpointing._checksum import SumBehind, WordSum
+from ftdist.checkpointing._checksum import SegmentSum, SumBehind, WordSum
 from ftdist.checkpointing._codec import LeafMeta, dense_stride, where
 from ftdist.checkpointing._prefault import Prefaulter, ReceiveReserve, allocate
 from ftdist.errors import CheckpointError
@@ -285,8 +285,9 @@ class StreamReader:
     def __init__(self, readinto: Callable[[memoryview], int], what: str) -> None:
         self._readinto = readinto
         self.what = what
-        # Summed on a helper thread while the next piece arrives.
-        self._digest = SumBehind()
+        # Summed on a helper thread while the next piece arrives; each
+        # tensor's own sums are kept for the receiver (see received_sums).
+        self._digest = SumBehind(record=True)
         self.total = 0
 
     def close(self) -> None:
@@ -377,6 +378,10 @@ class StreamReader:
         self._fill(memoryview(raw), count=False)
         check_trailer(raw, self.total, self._digest, self.what)
 
+    def tensor_sums(self) -> list[SegmentSum]:
+        """Each tensor's own sums, in stream order (after :meth:`read_trailer`)."""
+        return list(self._digest.segments or ())
+
 
 def check_trailer(
     raw: bytes | bytearray, total: int, digest: WordSum | SumBehind, what: str
@@ -427,6 +432,7 @@ def read_leaves(
     progress: Callable[[int], None] | None = None,
     body: Callable[[Header], BodySource | None] | None = None,
     reserve: ReceiveReserve | None = None,
+    sums: dict[int, SegmentSum] | None = None,
 ) -> tuple[Header, dict[int, torch.Tensor]]:
     """Read one stream: the header and {leaf index: tensor}.
 
@@ -444,14 +450,19 @@ def read_leaves(
             instead of the stream (a direct memory read), or None for the
             stream.
         reserve: populated memory for the fresh tensors that land on the host.
+        sums: filled with each received tensor's word sums, by leaf index,
+            once the trailer has vouched for them.
 
     Raises:
         CheckpointError: wrong step, malformed, truncated or corrupted stream.
     """
     try:
-        return _read_leaves(reader, step, device, size, targets, progress, body, reserve)
+        header, got = _read_leaves(reader, step, device, size, targets, progress, body, reserve)
     finally:
         reader.close()
+    if sums is not None:
+        sums.update(zip(header.carried, reader.tensor_sums(), strict=True))
+    return header, got
 
 
 def _read_leaves(

@@ -48,6 +48,7 @@ import torch
 from ftdist import _auth
 from ftdist._advertise import advertised_host, log_advertised
 from ftdist.checkpointing import _direct, _wire, config
+from ftdist.checkpointing._checksum import SegmentSum
 from ftdist.checkpointing._codec import LeafMeta
 from ftdist.checkpointing._http_server import CheckpointServer, Request, peer_credentials
 from ftdist.checkpointing._rwlock import LockClosedError, RWLock
@@ -460,6 +461,7 @@ class HTTPTransport(CheckpointTransport[T]):
         timeout: timedelta,
         own: object,
         progress: TransferProgress | None = None,
+        sums: dict[int, SegmentSum] | None = None,
     ) -> tuple[_wire.Header, dict[int, torch.Tensor], int, str]:
         cpu = torch.device("cpu")
         parts = urlsplit(url)
@@ -510,6 +512,7 @@ class HTTPTransport(CheckpointTransport[T]):
                 progress=progress.add if progress is not None else None,
                 body=direct_body if offered is not None else None,
                 reserve=self.receive_reserve,
+                sums=sums,
             )
             return header, tensors, reader.total, _route(conn, bool(direct))
         except CheckpointError:
@@ -557,15 +560,18 @@ class HTTPTransport(CheckpointTransport[T]):
         tracker = TransferProgress(self.progress) if self.progress is not None else None
         # Asked once, for every chunk: a user's state_dict() may be costly.
         own = own_state(self._receive_into, self.receive_into)
+        sums: dict[int, SegmentSum] = {}  # chunks fill disjoint leaf indices
         if self._num_chunks <= 1:
             header, tensors, nbytes, route = self._fetch(
-                f"{base}/full", local, step, timeout, own, tracker
+                f"{base}/full", local, step, timeout, own, tracker, sums
             )
         else:
             with ThreadPoolExecutor(self._num_chunks, thread_name_prefix="ftdist-fetch") as pool:
                 parts = list(
                     pool.map(
-                        lambda i: self._fetch(f"{base}/{i}", local, step, timeout, own, tracker),
+                        lambda i: self._fetch(
+                            f"{base}/{i}", local, step, timeout, own, tracker, sums
+                        ),
                         range(self._num_chunks),
                     )
                 )
@@ -577,7 +583,9 @@ class HTTPTransport(CheckpointTransport[T]):
             # The chunks' routes, "local+tcp" if some fell back to TCP.
             route = "+".join(sorted({part[3] for part in parts}))
         state = cast(T, _wire.assemble(header, tensors))
-        self.last_transfer = TransferStats(nbytes, time.perf_counter() - start, route)
+        self.last_transfer = TransferStats.of_receive(
+            nbytes, time.perf_counter() - start, route, tensors, sums
+        )
         return state
 
     def shutdown(self, wait: bool = True) -> None:

@@ -174,21 +174,23 @@ class PGTransport(CheckpointTransport[T]):
         own = own_state(self._state_dict, self.receive_into)
         targets = in_place_targets(own, header, self._device)
         tensors: dict[int, torch.Tensor] = {}
-        digest, total = WordSum(), len(prefix) + len(raw)
+        digest, total = WordSum(record=True), len(prefix) + len(raw)
+        summed: list[int] = []  # leaf indices, in the order of digest.segments
         tracker = TransferProgress(self.progress) if self.progress is not None else None
         if tracker is not None:
             tracker.expect(body_len)
         # Receives stay posted ahead: the sums of one tensor are taken while
         # the next ones arrive, and Gloo's sender never waits for a post.
-        pending: collections.deque[tuple[torch.Tensor, Any]] = collections.deque()
+        pending: collections.deque[tuple[int, torch.Tensor, Any]] = collections.deque()
 
         with Prefaulter() as prefault:
 
             def finish() -> None:
                 nonlocal total
-                flat, work = pending.popleft()
+                index, flat, work = pending.popleft()
                 self._wait(work, timeout, f"receive from {what}")
                 _wire.sum_flat(digest, flat)
+                summed.append(index)
                 total += flat.numel()
                 prefault.advance(flat.numel())
                 if tracker is not None:
@@ -201,12 +203,16 @@ class PGTransport(CheckpointTransport[T]):
                 flat = _wire.flat_bytes(t)
                 if not flat.numel():
                     continue
-                pending.append((flat, self._pg.recv([flat], src_rank, _TAG_TENSOR + pos)))
+                pending.append((index, flat, self._pg.recv([flat], src_rank, _TAG_TENSOR + pos)))
                 if len(pending) > _IN_FLIGHT:
                     finish()
             while pending:
                 finish()
         trailer = self._recv_bytes(_wire.TRAILER_BYTES, src_rank, _TAG_TRAILER, timeout)
         _wire.check_trailer(trailer, total, digest, what)
-        self.last_transfer = TransferStats(total, time.perf_counter() - start, "process group")
+        sums = dict(zip(summed, digest.segments or (), strict=True))
+        seconds = time.perf_counter() - start
+        self.last_transfer = TransferStats.of_receive(
+            total, seconds, "process group", tensors, sums
+        )
         return cast(T, _wire.assemble(header, tensors))

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 if TYPE_CHECKING:
+    import torch
+
+    from ftdist.checkpointing._checksum import SegmentSum
     from ftdist.checkpointing._prefault import ReceiveReserve
 
 T = TypeVar("T")
@@ -27,16 +30,41 @@ class TransferStats:
             source's memory on this host), ``"direct+tcp"`` or
             ``"local+tcp"`` (chunks over both),
             ``"process group"``, or ``""`` where the transport does not say.
+        tensor_sums: (receive only) the word sums of each received tensor
+            that is plain, contiguous and on the host, by (address, byte
+            count), as checked against the sender's: a receiver fingerprints
+            what it received without reading it again. Empty where the
+            transport does not say.
     """
 
     nbytes: int
     seconds: float
     route: str = ""
+    tensor_sums: Mapping[tuple[int, int], SegmentSum] = field(default_factory=dict)
 
     @property
     def gbps(self) -> float:
         """Throughput in GB/s (10^9 bytes per second)."""
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @classmethod
+    def of_receive(
+        cls,
+        nbytes: int,
+        seconds: float,
+        route: str,
+        tensors: Mapping[int, torch.Tensor],
+        sums: Mapping[int, SegmentSum],
+    ) -> TransferStats:
+        """A receive's stats, given the received tensors and their word sums
+        by leaf index: :attr:`tensor_sums` keeps those of the plain,
+        contiguous host tensors, whose bytes were summed in row-major order."""
+        kept: dict[tuple[int, int], SegmentSum] = {}
+        for index, t in tensors.items():
+            run = sums.get(index)
+            if run is not None and t.device.type == "cpu" and t.is_contiguous():
+                kept[(t.data_ptr(), t.numel() * t.element_size())] = run
+        return cls(nbytes, seconds, route, kept)
 
 
 class TransferProgress:

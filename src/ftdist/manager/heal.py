@@ -8,14 +8,11 @@ the Manager's checkpoint transport, and records each heal's phases (quorum
 wait, process group reconfigure, state transfer, load) in a
 :class:`HealTimeline`, so a slow recovery can be explained.
 
-:func:`fingerprint` reduces a state dict to a few 64-bit word-sum digests
-(:mod:`ftdist.checkpointing._checksum`), one per
-part (``default/model``, ``default/optim/state``, ...). After a heal every
-replica reports its fingerprint with its next quorum request and the
+A healed replica checks that its consistency parts, once loaded, are what
+its source had (:mod:`~ftdist.manager.fingerprint`); after a heal every
+replica also reports its fingerprint with its next quorum request and the
 manager server compares them (see
-:func:`ftdist.manager.rule.find_divergence`): replicas at the
-same step must hold the same state, and a mismatch names the part that
-differs instead of letting replicas drift apart silently.
+:func:`ftdist.manager.rule.find_divergence`).
 """
 
 from __future__ import annotations
@@ -25,22 +22,20 @@ import contextlib
 import logging
 import threading
 import time
-import zlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch.utils._pytree import tree_flatten_with_path
-
 from ftdist.checkpointing import CheckpointTransport, TransferStats
-from ftdist.checkpointing._checksum import WordSum
+from ftdist.checkpointing._checksum import SegmentSum
 from ftdist.checkpointing._prefault import ReceiveReserve
-from ftdist.checkpointing._wire import sum_tensor
 from ftdist.errors import StateDivergenceError
+from ftdist.manager.fingerprint import differing_parts, planned
+from ftdist.manager.fingerprint import fingerprint as fingerprint  # where tests look
+from ftdist.manager.fingerprint import fold_parts as fold_parts
 
 if TYPE_CHECKING:
     from ftdist.manager.client import ManagerClientLike
@@ -53,6 +48,11 @@ logger = logging.getLogger(__name__)
 # "torchft", renamed with the package).
 MANAGER_STATE_KEY = "ftdist"
 
+# The heal state's consistency plan (ftdist 2026.11 on); "consistency", the
+# fingerprint itself, is what earlier sources sent.
+PLAN_KEY = "consistency_plan"
+FINGERPRINT_KEY = "consistency"
+
 # Heal sources whose clients are kept open (a restarted peer has a new
 # address; the oldest are closed beyond this many).
 MAX_SOURCE_CLIENTS = 4
@@ -61,11 +61,6 @@ PROGRESS_PERIOD_S = 0.25
 # How long a closing Manager waits for its last heal reports to go out (a
 # heal that ends just before the job does is still on the dashboard).
 REPORT_DRAIN_S = 2.0
-
-# Parts are named by this many leading path components, e.g.
-# "user/default/optim/param_groups": fine enough to say what differs, coarse enough
-# to stay a handful of numbers.
-PART_DEPTH = 4
 
 
 @dataclass
@@ -156,78 +151,23 @@ class HealTimeline:
         }
 
 
-def _path_name(path: tuple[Any, ...]) -> str:
-    parts = []
-    for entry in path[:PART_DEPTH]:
-        for attr in ("key", "idx", "name"):
-            if hasattr(entry, attr):
-                parts.append(str(getattr(entry, attr)))
-                break
-        else:
-            parts.append(str(entry))
-    return "/".join(parts)
-
-
-def fold_parts(parts: dict[str, int], max_parts: int) -> dict[str, int]:
-    """Combine fine-grained parts into coarser ones until at most ``max_parts`` remain.
-
-    A large model has hundreds of parameters; its fingerprint travels in
-    every group rank's quorum request, within the lighthouse's data limit.
-    Folding keeps the comparison exact and only makes the report coarser
-    (``'model'`` instead of ``'model/layers.3.weight'``).
-    """
-    depth = PART_DEPTH
-    while len(parts) > max_parts and depth > 1:
-        depth -= 1
-        folded: dict[str, int] = {}
-        for name in sorted(parts):
-            key = "/".join(name.split("/")[:depth])
-            folded[key] = zlib.crc32(f"{name}={parts[name]}".encode(), folded.get(key, 0))
-        parts = folded
-    return parts
-
-
-def differing_parts(a: dict[str, int], b: dict[str, int]) -> list[str]:
-    """Names of the parts whose fingerprints differ (or exist on one side only)."""
-    return sorted(p for p in a.keys() | b.keys() if a.get(p) != b.get(p))
-
-
-def fingerprint(state: Any) -> dict[str, int]:
-    """A 64-bit digest of each part of ``state`` (tensor bytes and non-tensor values).
-
-    Cheap: word sums at cache speed (it runs after every heal and
-    reconfigure), no copies for contiguous CPU tensors.
-    """
-    digests: dict[str, WordSum] = {}
-    leaves, _ = tree_flatten_with_path(state)
-    for path, leaf in leaves:
-        digest = digests.setdefault(_path_name(path), WordSum())
-        if isinstance(leaf, torch.Tensor):
-            t = leaf.detach()
-            digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            digest.end_segment()
-            sum_tensor(digest, t)
-        else:
-            digest.update(repr(leaf).encode())
-            digest.end_segment()
-    return {name: digest.fold64() for name, digest in digests.items()}
-
-
 def heal_state(
     user_state: UserState, counters: dict[str, int], consistency: ConsistencyParts
 ) -> dict[str, Any]:
     """What a healing peer receives: the user state and the Manager's counters.
 
     Taken under the user state's read lock (see ``disallow_state_dict_read``).
-    ``"consistency"`` (fingerprints of the parts compared across replicas)
-    is present only when such parts are registered.
+    ``"consistency_plan"`` (how the receiver rebuilds this replica's
+    fingerprint of the parts compared across replicas, see
+    :func:`~ftdist.manager.fingerprint.plan`) is present only when such parts
+    are registered.
 
     Raises:
         TimeoutError: reads stayed disallowed for the whole timeout.
     """
     state: dict[str, Any] = {"user": user_state.save(), MANAGER_STATE_KEY: counters}
     if consistency:
-        state["consistency"] = consistency.fingerprint()
+        state[PLAN_KEY] = consistency.plan(state["user"])
     return state
 
 
@@ -246,6 +186,24 @@ def manager_counters(state: dict[str, Any]) -> dict[str, int]:
             f"it has {sorted(state)}"
         )
     return dict(counters)
+
+
+@dataclass
+class Staged:
+    """A state received while healing, to be applied together with its step.
+
+    Attributes:
+        state: the received state.
+        step: the step it is of.
+        timeline: the heal's phases so far.
+        sums: the transport's word sums of the received tensors (see
+            :attr:`~ftdist.checkpointing.TransferStats.tensor_sums`).
+    """
+
+    state: dict[str, Any]
+    step: int
+    timeline: HealTimeline
+    sums: Mapping[tuple[int, int], SegmentSum] = field(default_factory=dict)
 
 
 def _last_transfer(transport: CheckpointTransport[Any]) -> TransferStats:
@@ -328,7 +286,7 @@ class Healer:
         reconfigure_s: float,
         into: Callable[[], object] | None = None,
         reserve: ReceiveReserve | None = None,
-    ) -> tuple[dict[str, Any], HealTimeline]:
+    ) -> Staged:
         """Fetch the state of the quorum's max step from this rank's heal source.
 
         ``into`` returns this rank's own state, whose matching tensors the
@@ -338,7 +296,7 @@ class Healer:
         (:meth:`reserve_like`).
 
         Returns:
-            The received state and the heal's timeline (its ``load_s`` is
+            The received state, with the heal's timeline (its ``load_s`` is
             filled in by whoever loads the state).
 
         Raises:
@@ -383,7 +341,7 @@ class Healer:
         self.tell(timeline, "load")
         if not isinstance(state, dict):
             raise TypeError(f"the heal source sent a {type(state).__name__}, not a state dict")
-        return state, timeline
+        return Staged(state, quorum.max_step, timeline, stats.tensor_sums)
 
     def tell(
         self,
@@ -472,16 +430,15 @@ class HealReporter:
 
 
 def load_received(
-    state: dict[str, Any],
-    user_state: UserState,
-    consistency: ConsistencyParts,
-    timeline: HealTimeline,
+    staged: Staged, user_state: UserState, consistency: ConsistencyParts
 ) -> StateDivergenceError | None:
     """Load the user part of a received state; check the consistency parts.
 
     The consistency parts must now be what the source had: a load function
     that skips something (a learning rate, say) would leave this replica
-    silently different.
+    silently different. What the source had is rebuilt before the load, from
+    its plan and the sums of the bytes received (see
+    :mod:`~ftdist.manager.fingerprint`).
 
     Returns:
         The divergence to record, or None.
@@ -490,8 +447,11 @@ def load_received(
         KeyError: the state lacks a registered key.
     """
     start = time.perf_counter()
+    state = staged.state
+    sent = state.get(FINGERPRINT_KEY)
+    if PLAN_KEY in state and consistency:
+        sent = planned(state[PLAN_KEY], state["user"], staged.sums)
     user_state.load(state["user"])
-    sent = state.get("consistency")
     error = None
     if isinstance(sent, dict) and consistency:
         differ = differing_parts(sent, consistency.fingerprint())
@@ -500,5 +460,5 @@ def load_received(
                 f"the state loaded while healing does not match the state received: {differ} "
                 "differ; make load_state_dict restore everything state_dict returns"
             )
-    timeline.load_s = time.perf_counter() - start
+    staged.timeline.load_s = time.perf_counter() - start
     return error

@@ -420,7 +420,7 @@ class Manager(TorchftInternals, StateRegistration):
             return
         if staged is None:
             return
-        error = load_received(staged.state, self._user_state, self._consistency, staged.timeline)
+        error = load_received(staged, self._user_state, self._consistency)
         self.load_state_dict(manager_counters(staged.state))
         self._step = staged.step
         self._healer.tell(staged.timeline, "done" if error is None else "failed", str(error or ""))

@@ -26,7 +26,7 @@ from typing import Any
 
 from ftdist.checkpointing._prefault import ReceiveReserve
 from ftdist.manager.client import ManagerClientLike, ManagerQuorumResult
-from ftdist.manager.heal import Healer, HealTimeline
+from ftdist.manager.heal import Healer, HealTimeline, Staged
 from ftdist.manager.membership import GroupMembership
 from ftdist.manager.rule import participation
 from ftdist.manager.state import ConsistencyParts, UserState
@@ -34,15 +34,6 @@ from ftdist.manager.state import ConsistencyParts, UserState
 __all__ = ["Participation", "QuorumRound", "RoundOutcome", "Staged"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Staged:
-    """A state received while healing, to be applied together with its step."""
-
-    state: dict[str, Any]
-    step: int
-    timeline: HealTimeline
 
 
 @dataclass
@@ -256,7 +247,7 @@ class QuorumRound:
                     # In place only while nothing committed is in the tensors (a
                     # transfer that fails half-way leaves them half overwritten)
                     # and nothing reads them (the heal is awaited before a forward).
-                    state, timeline = self._healer.receive(
+                    out.staged = self._healer.receive(
                         quorum,
                         self._group_rank,
                         quorum_s,
@@ -264,7 +255,6 @@ class QuorumRound:
                         into=own,
                         reserve=reserve,
                     )
-                    out.staged = Staged(state, quorum.max_step, timeline)
             except Exception as exc:
                 out.errors.append(exc)
             return self._record(out)

@@ -26,14 +26,11 @@ from datetime import timedelta
 from typing import Any
 
 from ftdist.checkpointing._rwlock import RWLock
-from ftdist.manager.heal import fingerprint, fold_parts
+from ftdist.manager.fingerprint import MAX_PARTS, fingerprint, fold_parts, plan
 
 __all__ = ["ConsistencyParts", "StateRegistration", "UserState"]
 
 DEFAULT_KEY = "default"
-# Parts compared per group rank: each rank's fingerprint travels in the
-# replica group's quorum request (the lighthouse takes 64 KiB of data).
-MAX_PARTS = 48
 
 
 class UserState:
@@ -209,10 +206,17 @@ class ConsistencyParts:
     def __bool__(self) -> bool:
         return bool(self._parts)
 
+    def _state(self) -> dict[str, Any]:
+        return {key: fn() for key, fn in self._parts.items()}
+
     def fingerprint(self) -> dict[str, int]:
-        """CRC-32 of each part (see :func:`~ftdist.manager.heal.fingerprint`)."""
-        parts = fingerprint({key: fn() for key, fn in self._parts.items()})
-        return fold_parts(parts, MAX_PARTS)
+        """The word-sum digest of each part (see :func:`~ftdist.manager.fingerprint.fingerprint`)."""
+        return fold_parts(fingerprint(self._state()), MAX_PARTS)
+
+    def plan(self, carried: Any) -> dict[str, list[list[Any]]]:
+        """How a receiver of ``carried`` rebuilds :meth:`fingerprint` (see
+        :func:`~ftdist.manager.fingerprint.plan`)."""
+        return plan(self._state(), carried)
 
 
 class StateRegistration:

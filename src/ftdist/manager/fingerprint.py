@@ -1,0 +1,197 @@
+"""
+State fingerprints
+==================
+
+:func:`fingerprint` reduces a state to a few 64-bit word-sum digests
+(:mod:`ftdist.checkpointing._checksum`), one per part (``default/model``,
+``default/optim/state``, ...). Replicas at the same step must hold the same
+consistency parts, and comparing fingerprints names the part that differs
+instead of letting replicas drift apart silently (see
+:func:`ftdist.manager.rule.find_divergence`).
+
+A healed replica also checks that what it loaded is what its source had.
+The source does not hash its state for that before serving it: the
+consistency parts are mostly the very tensors the heal carries (the model's
+parameters, the optimizer's state), and the receiver has just summed every
+byte it received to check the transfer. So the source sends a
+:func:`plan`: for each part, the sums of what the heal does not carry (the
+non-tensor values, the tensor headers) and, for each tensor it does carry,
+where that tensor sits in the user state. The receiver assembles the
+source's fingerprint from the plan and its own sums of the received bytes
+(:func:`planned`), which cost nothing more. The sums compose (see
+:class:`~ftdist.checkpointing._checksum.SegmentSum`), so the result is the
+same number :func:`fingerprint` gives on the source.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections.abc import Mapping
+from typing import Any, cast
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_flatten_with_path
+
+from ftdist.checkpointing._checksum import SegmentSum, WordSum
+from ftdist.checkpointing._wire import sum_tensor
+
+logger = logging.getLogger(__name__)
+
+# Parts are named by this many leading path components, e.g.
+# "user/default/optim/param_groups": fine enough to say what differs, coarse enough
+# to stay a handful of numbers.
+PART_DEPTH = 4
+# Parts compared per group rank: each rank's fingerprint travels in the
+# replica group's quorum request (the lighthouse takes 64 KiB of data).
+MAX_PARTS = 48
+# A plan's items: a run of sums, or a tensor of the user state by position.
+_RUN = "w"
+_TENSOR = "t"
+
+
+def _path_name(path: tuple[Any, ...]) -> str:
+    parts = []
+    for entry in path[:PART_DEPTH]:
+        for attr in ("key", "idx", "name"):
+            if hasattr(entry, attr):
+                parts.append(str(getattr(entry, attr)))
+                break
+        else:
+            parts.append(str(entry))
+    return "/".join(parts)
+
+
+def fold_parts(parts: dict[str, int], max_parts: int) -> dict[str, int]:
+    """Combine fine-grained parts into coarser ones until at most ``max_parts`` remain.
+
+    A large model has hundreds of parameters; its fingerprint travels in
+    every group rank's quorum request, within the lighthouse's data limit.
+    Folding keeps the comparison exact and only makes the report coarser
+    (``'model'`` instead of ``'model/layers.3.weight'``).
+    """
+    depth = PART_DEPTH
+    while len(parts) > max_parts and depth > 1:
+        depth -= 1
+        folded: dict[str, int] = {}
+        for name in sorted(parts):
+            key = "/".join(name.split("/")[:depth])
+            folded[key] = zlib.crc32(f"{name}={parts[name]}".encode(), folded.get(key, 0))
+        parts = folded
+    return parts
+
+
+def differing_parts(a: dict[str, int], b: dict[str, int]) -> list[str]:
+    """Names of the parts whose fingerprints differ (or exist on one side only)."""
+    return sorted(p for p in a.keys() | b.keys() if a.get(p) != b.get(p))
+
+
+def _head(digest: WordSum, t: torch.Tensor) -> None:
+    digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
+    digest.end_segment()
+
+
+def _feed(digest: WordSum, leaf: Any) -> None:
+    if isinstance(leaf, torch.Tensor):
+        t = leaf.detach()
+        _head(digest, t)
+        sum_tensor(digest, t)
+    else:
+        digest.update(repr(leaf).encode())
+        digest.end_segment()
+
+
+def fingerprint(state: Any) -> dict[str, int]:
+    """A 64-bit digest of each part of ``state`` (tensor bytes and non-tensor values).
+
+    Cheap: word sums at cache speed, no copies for contiguous CPU tensors.
+    """
+    digests: dict[str, WordSum] = {}
+    leaves, _ = tree_flatten_with_path(state)
+    for path, leaf in leaves:
+        _feed(digests.setdefault(_path_name(path), WordSum()), leaf)
+    return {name: digest.fold64() for name, digest in digests.items()}
+
+
+def _carried(t: Any) -> tuple[int, int] | None:
+    """(address, byte count) of a tensor whose bytes a heal carries as they
+    are in memory (plain, on the host, contiguous, not empty), else None."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type != "cpu":
+        return None
+    if not t.is_contiguous() or t.is_conj() or t.is_neg():
+        return None
+    nbytes = t.numel() * t.element_size()
+    return (t.data_ptr(), nbytes) if nbytes else None
+
+
+def plan(parts: Any, user: Any) -> dict[str, list[list[Any]]]:
+    """The source's side of a heal's check: ``parts``' fingerprint, less the
+    tensors ``user`` (the state the heal carries) holds too.
+
+    Each part is a list of items: ``["w", s1, s2, words]``, a run of
+    segments summed here, or ``["t", position, nbytes]``, the bytes of the
+    tensor at that position among ``user``'s leaves. Reads only what the
+    heal does not carry.
+    """
+    where: dict[tuple[int, int], int] = {}
+    for position, leaf in enumerate(tree_flatten(user)[0]):
+        key = _carried(leaf)
+        if key is not None:
+            where.setdefault(key, position)
+    runs: dict[str, WordSum] = {}
+    items: dict[str, list[list[Any]]] = {}
+
+    def close_run(name: str) -> None:
+        run = runs.pop(name, None)
+        if run is not None:
+            items.setdefault(name, []).append([_RUN, *run.total()])
+
+    for path, leaf in tree_flatten_with_path(parts)[0]:
+        name = _path_name(path)
+        key = _carried(leaf)
+        if key is None or key not in where:
+            _feed(runs.setdefault(name, WordSum()), leaf)
+            continue
+        _head(runs.setdefault(name, WordSum()), leaf)
+        close_run(name)
+        items[name].append([_TENSOR, where[key], key[1]])
+    for name in list(runs):
+        close_run(name)
+    return items
+
+
+def planned(
+    the_plan: Any, user: Any, sums: Mapping[tuple[int, int], SegmentSum]
+) -> dict[str, int] | None:
+    """The receiver's side: the fingerprint a :func:`plan` describes, given
+    the received user state and the transport's sums of its tensors.
+
+    A tensor the transport has no sums for is summed here. None when the
+    plan does not fit ``user`` (a malformed plan, or a state whose structure
+    changed on the way): the check cannot be made, and a warning says so.
+    """
+    leaves = tree_flatten(user)[0]
+    out: dict[str, int] = {}
+    try:
+        for name, entries in dict(the_plan).items():
+            digest = WordSum()
+            for entry in entries:
+                if entry[0] == _RUN:
+                    digest.add(SegmentSum(*(int(v) for v in entry[1:4])))
+                    continue
+                position, nbytes = int(entry[1]), int(entry[2])
+                leaf = leaves[position] if 0 <= position < len(leaves) else None
+                key = _carried(leaf)
+                if entry[0] != _TENSOR or key is None or key[1] != nbytes:
+                    raise ValueError(f"item {entry!r} names no carried tensor")
+                run = sums.get(key)
+                if run is None:
+                    own = WordSum()
+                    sum_tensor(own, cast(torch.Tensor, leaf))  # _carried: a tensor
+                    run = own.total()
+                digest.add(run)
+            out[str(name)] = digest.fold64()
+    except (TypeError, ValueError, IndexError, KeyError) as exc:
+        logger.warning("the heal source's consistency plan does not fit what it sent: %s", exc)
+        return None
+    return fold_parts(out, MAX_PARTS)
