@@ -26,6 +26,7 @@ os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 import threading
 import time
 from collections.abc import Generator, Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -36,6 +37,7 @@ from tests import _diagnostics
 # here on dumps its stacks on SIGUSR1 for the failure reports.
 _diagnostics.install()
 
+from ftdist.checkpointing import HTTPTransport  # noqa: E402
 from ftdist.launch.ranks import Ranks  # noqa: E402
 from tests._procs import children  # noqa: E402
 from tests.integration.lighthouse_helpers import Lighthouses  # noqa: E402
@@ -115,6 +117,20 @@ def lh() -> Iterator[Lighthouses]:
 def lighthouse(lh: Lighthouses) -> str:
     """The address of a lighthouse that forms quorums of one or more replica groups."""
     return str(lh.server(heartbeat_timeout_ms=1000, join_timeout_ms=200).address())
+
+
+@pytest.fixture
+def transports() -> Iterator[tuple[HTTPTransport[Any], HTTPTransport[Any]]]:
+    """A heal's source and receiver: two HTTPTransports on 127.0.0.1 (10 s
+    timeouts), shut down after the test."""
+    timeout = timedelta(seconds=10)
+    src = HTTPTransport[Any](timeout, hostname="127.0.0.1")
+    dst = HTTPTransport[Any](timeout, hostname="127.0.0.1")
+    try:
+        yield src, dst
+    finally:
+        src.shutdown()
+        dst.shutdown()
 
 
 _TIERS = {"unit": "unit", "integration": "integration", "gpu": "gpu"}

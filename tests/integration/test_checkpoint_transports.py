@@ -79,15 +79,6 @@ def _assert_same(a: Any, b: Any) -> None:
         assert type(a) is type(b) and a == b
 
 
-@pytest.fixture
-def transports() -> Iterator[tuple[HTTPTransport[State], HTTPTransport[State]]]:
-    src = HTTPTransport[State](TIMEOUT, hostname="127.0.0.1")
-    dst = HTTPTransport[State](TIMEOUT, hostname="127.0.0.1")
-    yield src, dst
-    src.shutdown()
-    dst.shutdown()
-
-
 # How a receiver reaches its source: the metadata it is given, and the route
 # the bytes must then take. "direct" copies from the source's memory (the
 # default on this host), "local" streams over the local socket (a receiver

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any, cast
 
@@ -52,15 +51,6 @@ class Replica:
         self.optim.load_state_dict(state["optim"])
         if self.after_load is not None:
             self.after_load(self)
-
-
-@pytest.fixture
-def transports() -> Iterator[tuple[HTTPTransport[Any], HTTPTransport[Any]]]:
-    src = HTTPTransport[Any](TIMEOUT, hostname="127.0.0.1")
-    dst = HTTPTransport[Any](TIMEOUT, hostname="127.0.0.1")
-    yield src, dst
-    src.shutdown()
-    dst.shutdown()
 
 
 def _heal(

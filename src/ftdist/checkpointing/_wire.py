@@ -286,7 +286,7 @@ class StreamReader:
         self._readinto = readinto
         self.what = what
         # Summed on a helper thread while the next piece arrives; each
-        # tensor's own sums are kept for the receiver (see received_sums).
+        # tensor's own sums are kept for the receiver (TransferStats.tensor_sums).
         self._digest = SumBehind(record=True)
         self.total = 0
 

@@ -48,8 +48,8 @@ logger = logging.getLogger(__name__)
 # "torchft", renamed with the package).
 MANAGER_STATE_KEY = "ftdist"
 
-# The heal state's consistency plan (ftdist 2026.11 on); "consistency", the
-# fingerprint itself, is what earlier sources sent.
+# Where a heal state carries the source's consistency plan; sources from
+# before the plan sent their fingerprint itself, under "consistency".
 PLAN_KEY = "consistency_plan"
 FINGERPRINT_KEY = "consistency"
 
