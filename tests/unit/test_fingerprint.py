@@ -172,3 +172,18 @@ def test_the_plan_is_cheap_to_make_for_a_state_the_heal_carries(
     # Only headers and values are summed on the source: a handful of words each.
     assert runs and max(int(item[3]) for item in runs) < 16
     assert not caplog.text
+
+
+def test_a_large_models_rebuilt_fingerprint_is_folded_like_its_own(
+    transports: tuple[HTTPTransport[Any], HTTPTransport[Any]],
+) -> None:
+    # 30 layers: 60 parameters and 60 momentum buffers, more parts than a
+    # quorum request carries, so both sides fold them the same way.
+    source, receiver = Replica(0, (3,) * 31), Replica(1, (3,) * 31)
+    folded = source.parts.fingerprint()
+    assert (
+        len(folded) <= MAX_PARTS < len(fingerprint({"ddp": dict(source.model.named_parameters())}))
+    )
+    staged, error = _heal(transports, source, receiver)
+    assert error is None
+    assert planned(staged.state["consistency_plan"], staged.state["user"], staged.sums) == folded
