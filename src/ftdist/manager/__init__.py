@@ -18,7 +18,9 @@ Everything that runs the fault-tolerant step protocol of one replica group:
   resolved once (argument > environment > default).
 * :mod:`~ftdist.manager.bootstrap`: the replica group's store, server and
   client; :mod:`~ftdist.manager.news`: the lighthouse's failure news.
-* :mod:`~ftdist.manager.heal`: heal timelines and state fingerprints.
+* :mod:`~ftdist.manager.heal`: heals, their timelines, loading a received
+  state and checking it; :mod:`~ftdist.manager.fingerprint`: state
+  fingerprints and the heal check's plan.
 * :mod:`~ftdist.manager.server` / :mod:`~ftdist.manager.client`: the replica
   group's :class:`ManagerServer` (in group rank 0) and its client, speaking
   torchft's ``torchft.ManagerService``; :mod:`~ftdist.manager.rule`: the pure
