@@ -195,7 +195,9 @@ def test_a_leader_whose_renewal_is_confirmed_late_hands_over_and_serves_again(
     try:
         replica = server._replica
         assert replica is not None
-        wait_until(lambda: replica.verdict().ok, 30, "the only replica to lead")
+        # Elected is not yet serving: the server thread takes over on its next
+        # tick, and a quorum asked in between is answered "retry in a moment".
+        wait_until(lambda: replica.verdict().ok and server._leading, 30, "the only replica to lead")
         assert member_ids(client.quorum("group", timedelta(seconds=30))) == ["group"]
         real_keep_alive = replica._client.keep_alive
         stepped_down_meanwhile: list[bool] = []
