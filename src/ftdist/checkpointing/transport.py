@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Generic, TypeVar
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
+if TYPE_CHECKING:
     from ftdist.checkpointing._checksum import SegmentSum
     from ftdist.checkpointing._prefault import ReceiveReserve
 
@@ -57,14 +57,25 @@ class TransferStats:
         sums: Mapping[int, SegmentSum],
     ) -> TransferStats:
         """A receive's stats, given the received tensors and their word sums
-        by leaf index: :attr:`tensor_sums` keeps those of the plain,
-        contiguous host tensors, whose bytes were summed in row-major order."""
+        by leaf index: :attr:`tensor_sums` keeps those :func:`sums_key` files."""
         kept: dict[tuple[int, int], SegmentSum] = {}
         for index, t in tensors.items():
-            run = sums.get(index)
-            if run is not None and t.device.type == "cpu" and t.is_contiguous():
-                kept[(t.data_ptr(), t.numel() * t.element_size())] = run
+            run, key = sums.get(index), sums_key(t)
+            if run is not None and key is not None:
+                kept[key] = run
         return cls(nbytes, seconds, route, kept)
+
+
+def sums_key(t: object) -> tuple[int, int] | None:
+    """Where :attr:`TransferStats.tensor_sums` files a tensor: its (address,
+    byte count) when it is a plain, contiguous, non-empty host tensor, whose
+    bytes in memory are its values in row-major order; else None."""
+    if not isinstance(t, torch.Tensor) or type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return None
+    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+        return None
+    nbytes = t.numel() * t.element_size()
+    return (t.data_ptr(), nbytes) if nbytes else None
 
 
 class TransferProgress:

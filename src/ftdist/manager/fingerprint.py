@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_flatten_with_path
 
 from ftdist.checkpointing._checksum import SegmentSum, WordSum
 from ftdist.checkpointing._wire import sum_tensor
+from ftdist.checkpointing.transport import sums_key
 
 logger = logging.getLogger(__name__)
 
@@ -113,17 +114,6 @@ def fingerprint(state: Any) -> dict[str, int]:
     return {name: digest.fold64() for name, digest in digests.items()}
 
 
-def _carried(t: Any) -> tuple[int, int] | None:
-    """(address, byte count) of a tensor whose bytes a heal carries as they
-    are in memory (plain, on the host, contiguous, not empty), else None."""
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type != "cpu":
-        return None
-    if not t.is_contiguous() or t.is_conj() or t.is_neg():
-        return None
-    nbytes = t.numel() * t.element_size()
-    return (t.data_ptr(), nbytes) if nbytes else None
-
-
 def plan(parts: Any, user: Any) -> dict[str, list[list[Any]]]:
     """The source's side of a heal's check: ``parts``' fingerprint, less the
     tensors ``user`` (the state the heal carries) holds too.
@@ -135,7 +125,7 @@ def plan(parts: Any, user: Any) -> dict[str, list[list[Any]]]:
     """
     where: dict[tuple[int, int], int] = {}
     for position, leaf in enumerate(tree_flatten(user)[0]):
-        key = _carried(leaf)
+        key = sums_key(leaf)
         if key is not None:
             where.setdefault(key, position)
     runs: dict[str, WordSum] = {}
@@ -148,7 +138,7 @@ def plan(parts: Any, user: Any) -> dict[str, list[list[Any]]]:
 
     for path, leaf in tree_flatten_with_path(parts)[0]:
         name = _path_name(path)
-        key = _carried(leaf)
+        key = sums_key(leaf)
         if key is None or key not in where:
             _feed(runs.setdefault(name, WordSum()), leaf)
             continue
@@ -181,13 +171,13 @@ def planned(
                     continue
                 position, nbytes = int(entry[1]), int(entry[2])
                 leaf = leaves[position] if 0 <= position < len(leaves) else None
-                key = _carried(leaf)
+                key = sums_key(leaf)
                 if entry[0] != _TENSOR or key is None or key[1] != nbytes:
                     raise ValueError(f"item {entry!r} names no carried tensor")
                 run = sums.get(key)
                 if run is None:
                     own = WordSum()
-                    sum_tensor(own, cast(torch.Tensor, leaf))  # _carried: a tensor
+                    sum_tensor(own, cast(torch.Tensor, leaf))  # sums_key: a tensor
                     run = own.total()
                 digest.add(run)
             out[str(name)] = digest.fold64()
