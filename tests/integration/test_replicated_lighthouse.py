@@ -11,6 +11,7 @@ trainer records the quorum of each step it commits).
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -27,6 +28,7 @@ import pytest
 from ftdist._rpc import common as _rpc
 from ftdist._rpc._proto import torchft_pb2
 from ftdist.coordination import LighthouseClient
+from ftdist.etcd.client import EtcdClient
 from ftdist.etcd.local import LocalEtcdCluster
 from ftdist.launch.ranks import Ranks
 from ftdist.lighthouse import LighthouseServer
@@ -218,6 +220,43 @@ def test_a_leader_whose_renewal_is_confirmed_late_hands_over_and_serves_again(
         # Served again (after an election), not sent back to itself forever.
         wait_until(lambda: replica.verdict().ok and server._leading, 30, "leading again")
         assert member_ids(client.quorum("group", timedelta(seconds=30))) == ["group"]
+    finally:
+        client.close()
+        server.shutdown()
+
+
+def test_a_client_given_one_replica_waits_out_a_dead_leaders_lease(
+    etcd_cluster: LocalEtcdCluster,  # noqa: F811
+) -> None:
+    # The job's leader key is held by a replica that died (its lease still
+    # runs). The only live replica forwards calls to that dead address,
+    # then, the lease gone, is elected: a client given its one address (a
+    # DNS name over the replicas) must get its quorum, not an error.
+    job = "one-address-failover"
+    with EtcdClient(etcd_cluster.endpoint_arg, timeout=5) as etcd:
+        lease = etcd.grant(3)
+        dead = f"http://127.0.0.1:{_closed_port()}"
+        holder = {"name": "dead:1", "address": dead, "dashboard": None, "host": "gone"}
+        etcd.put(f"/ftdist/{job}/leader".encode(), json.dumps(holder).encode(), lease=lease.id)
+    config = resolve_lighthouse_config(
+        bind="127.0.0.1:0",
+        min_replicas=1,
+        http_port=-1,
+        etcd=etcd_cluster.endpoint_arg,
+        job=job,
+    )
+    server = LighthouseServer(config=config)
+    client = LighthouseClient(server.address(), connect_timeout=10.0)
+    try:
+        replica = server._replica
+        assert replica is not None
+        wait_until(lambda: replica.leader_address == dead, 10, "the replica to see the dead leader")
+        started = time.monotonic()
+        assert member_ids(client.quorum("group", timedelta(seconds=30))) == ["group"]
+        assert server._leading, "answered by a replica that does not lead"
+        # Answered only once the dead leader's lease ran out: the call waited.
+        assert time.monotonic() - started > 0.5
+        client.heartbeat("group")
     finally:
         client.close()
         server.shutdown()

@@ -58,6 +58,12 @@ EVENTS_REPORT_HEAL = f"/{EVENTS_SERVICE}/ReportHeal"
 FOLLOW_LEADER_METADATA = "ftdist-follow-leader"
 LEADER_METADATA = "ftdist-leader"
 NOT_LEADER_PREFIX = "not the leader"
+# A replica that forwards calls answers UNAVAILABLE with details starting
+# with NO_LEADER_YET while no leader is elected (the call entered no quorum),
+# and passes a leader's UNAVAILABLE on with details starting with
+# FORWARDED_PREFIX (that leader is gone, and its parked calls with it).
+NO_LEADER_YET = "no lighthouse leader is elected yet"
+FORWARDED_PREFIX = "forwarded to the leader"
 
 # A quorum of 1024 members with user data can be several MiB.
 _MAX_MESSAGE_BYTES = 256 * 1024 * 1024

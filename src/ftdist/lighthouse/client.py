@@ -20,6 +20,12 @@ Connection handling, one address:
 * A call in flight when the lighthouse goes away fails at once with
   ``CoordinationError``; it is never resent, so a quorum request cannot hang
   on a dead server or be counted twice.
+* The one address may be a replica of a replicated lighthouse (behind one
+  DNS name, or torchft-style configuration), which forwards calls to its
+  leader. A call it answers unserved while no leader is elected, or with the
+  failure of a leader that died during the call, is sent again after a pause
+  growing from 50 ms to 200 ms, within the call's ``timeout``: a failover
+  costs such a client a wait, not a failed quorum.
 * A call that runs past its ``timeout`` raises
   :class:`~ftdist.errors.CoordinationTimeoutError`, a ``TimeoutError``, as
   torchft does; every other failure is a ``CoordinationError`` (a
@@ -104,6 +110,9 @@ _HEAL_REPORT_FIELDS = frozenset(ftdist_pb2.HealReport.DESCRIPTOR.fields_by_name)
 _RENEW_POLL_S = 0.25
 # Pause before resending a call that never left while the channel reconnects.
 _RESEND_PAUSE_S = 0.02
+# First pause before resending a call that a replica answered unserved while
+# no leader was elected; it doubles up to MOST_PAUSE_S.
+_ELECTION_PAUSE_S = 0.05
 
 
 class LighthouseClient:
@@ -544,6 +553,7 @@ class LighthouseClient:
             return self._call_replicated(name, request, timeout_s, method)
         what = f"{method} call to lighthouse at {self.addr}"
         deadline = time.monotonic() + timeout_s
+        election_pause_s = _ELECTION_PAUSE_S
         while True:
             remaining = max(0.001, deadline - time.monotonic())
             self._ensure_connected(min(self._connect_s, remaining), what)
@@ -567,10 +577,21 @@ class LighthouseClient:
                     # a poller thread, which under load still says READY for
                     # a moment after the channel went down, so the reconnect
                     # wait can pass at once and the resend fail the same way.
-                    details = exc.details() if isinstance(exc, grpc.Call) else ""
+                    details = (exc.details() if isinstance(exc, grpc.Call) else "") or ""
                     left = deadline - time.monotonic()
-                    if (details or "").startswith("failed to connect") and left > 0:
+                    if details.startswith("failed to connect") and left > 0:
                         time.sleep(min(_RESEND_PAUSE_S, left))
+                        continue
+                    # One address that is a replica of a replicated lighthouse
+                    # (behind one DNS name, say): it forwards the call, and
+                    # answers it unserved during an election, or with the
+                    # failure of a leader that died with the call parked. As
+                    # with several addresses, the call goes again, to the
+                    # leader to come; nothing was counted (a dead leader's
+                    # state went with its leadership).
+                    if details.startswith((_rpc.NO_LEADER_YET, _rpc.FORWARDED_PREFIX)) and left > 0:
+                        time.sleep(min(election_pause_s, left))
+                        election_pause_s = min(2 * election_pause_s, MOST_PAUSE_S)
                         continue
                 raise _rpc.map_rpc_error(exc, what) from exc
             except ValueError as exc:  # the channel was closed

@@ -78,11 +78,11 @@ class LeaderForwarder:
                 details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
                 if code is None or code is grpc.StatusCode.CANCELLED:
                     code = grpc.StatusCode.UNAVAILABLE
-                text = f"forwarded to the leader {leader}: {details}"
+                text = f"{_rpc.FORWARDED_PREFIX} {leader}: {details}"
                 call_soon(lambda: rpc.abort(code, text))
                 return
             except Exception as exc:  # a cancelled future
-                text = f"forwarding to the leader {leader} failed: {exc!r}"
+                text = f"{_rpc.FORWARDED_PREFIX} {leader}: failed: {exc!r}"
                 call_soon(lambda: rpc.abort(grpc.StatusCode.UNAVAILABLE, text))
                 return
             call_soon(lambda: rpc.reply(payload))

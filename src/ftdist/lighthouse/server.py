@@ -642,7 +642,7 @@ class LighthouseServer:
         if not leader or leader == self.address():
             rpc.abort(
                 grpc.StatusCode.UNAVAILABLE,
-                "no lighthouse leader is elected yet; retry in a moment",
+                f"{_rpc.NO_LEADER_YET}; retry in a moment",
             )
             return
         self._forwarder.forward(rpc, request, leader, self._server.call_soon)
