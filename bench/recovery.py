@@ -126,15 +126,29 @@ def _store_barrier(store: dist.Store, name: str, n: int = 2) -> None:
         time.sleep(0.001)
 
 
+# A deep MLP nests its layers in blocks of this many, as a transformer nests
+# its in blocks: torch's load_state_dict filters the whole state's keys once
+# per child module, so one flat Sequential of hundreds of layers would spend
+# most of a heal's load there (the same for both stacks, and nothing a real
+# model does).
+_BLOCK_LAYERS = 10
+
+
 def mlp(width: int, depth: int, seed: int) -> nn.Sequential:
-    """``depth`` Linear(width, width) layers with ReLU between them."""
+    """``depth`` Linear(width, width) layers with ReLU between them (nested in
+    blocks of ten beyond ten layers)."""
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
     for i in range(depth):
         if i:
             layers.append(nn.ReLU())
         layers.append(nn.Linear(width, width))
-    return nn.Sequential(*layers)
+    if depth <= _BLOCK_LAYERS:
+        return nn.Sequential(*layers)
+    per_block = 2 * _BLOCK_LAYERS  # with the ReLUs
+    return nn.Sequential(
+        *(nn.Sequential(*layers[i : i + per_block]) for i in range(0, len(layers), per_block))
+    )
 
 
 def n_params(width: int, depth: int) -> int:
@@ -959,7 +973,7 @@ def _replace_once(args: argparse.Namespace, stack: str = "ftdist") -> dict[str, 
         coord.port,
         prefix,
         args.replace_width,
-        2,
+        args.replace_depth,
         args.batch,
         args.threads,
         args.verbose,
@@ -1043,10 +1057,11 @@ def _replace_once(args: argparse.Namespace, stack: str = "ftdist") -> dict[str, 
 
 
 def part_replace(args: argparse.Namespace, targets: Targets) -> None:
-    params = n_params(args.replace_width, 2)
+    params = n_params(args.replace_width, args.replace_depth)
     print(
-        f"\n(c) replacement start -> first committed step: 2x{args.replace_width}x"
-        f"{args.replace_width} MLP, {params / 1e6:.2f}M float32 params + SGD momentum = "
+        f"\n(c) replacement start -> first committed step: {args.replace_depth}x"
+        f"{args.replace_width}x{args.replace_width} MLP, {params / 1e6:.2f}M float32 params "
+        f"({2 * args.replace_depth} tensors) + SGD momentum = "
         f"{2 * params * 4 / 1e6:.1f} MB of state, default HTTPTransport"
     )
     print(
@@ -1315,7 +1330,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--replace-width",
         type=int,
         default=2500,
-        help="(c) width of the 2-layer MLP (default 2500: 12.5M params, 100 MB with momentum)",
+        help="(c) width of the MLP (default 2500: 12.5M params, 100 MB with momentum)",
+    )
+    parser.add_argument(
+        "--replace-depth",
+        type=int,
+        default=2,
+        help="(c) layers of the MLP (default 2: 8 tensors with momentum); many narrow layers "
+        "measure the per-tensor costs, e.g. --replace-width 128 --replace-depth 750: 3000 "
+        "tensors, 99 MB",
     )
     parser.add_argument(
         "--no-torchft",

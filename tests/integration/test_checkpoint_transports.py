@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ftdist import _auth
-from ftdist.checkpointing import HTTPTransport, PGTransport, _wire
+from ftdist.checkpointing import HTTPTransport, PGTransport, _receive, _wire
 from ftdist.checkpointing._checksum import WordSum
 from ftdist.checkpointing._prefault import ReceiveReserve
 from ftdist.checkpointing.http_transport import CheckpointHTTPError, CheckpointTimeoutError
@@ -472,7 +472,7 @@ def test_a_slow_reader_cannot_hold_disallow_past_its_timeout() -> None:
         size = int(re.search(rb"Content-Length: (\d+)", head).group(1))  # type: ignore[union-attr]
         assert len(body) < size
         with pytest.raises(CheckpointError, match="truncated"):
-            _wire.read_leaves(_wire.StreamReader(io.BytesIO(body).readinto, "slow"), 1)
+            _receive.read_leaves(_wire.StreamReader(io.BytesIO(body).readinto, "slow"), 1)
         # The server is still up and serves the next step to a well-behaved peer.
         src.send_checkpoint([1], 2, state, quick)
         got = dst.recv_checkpoint(0, src.metadata(), 2, TIMEOUT)

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ftdist.checkpointing import _wire
+from ftdist.checkpointing import _receive, _wire
 
 
 def stream_bytes(state: Any, step: int = 1, num_chunks: int = 1) -> list[bytes]:
@@ -23,7 +23,7 @@ def stream_bytes(state: Any, step: int = 1, num_chunks: int = 1) -> list[bytes]:
 def decode(data: bytes, step: int = 1) -> tuple[_wire.Header, dict[int, torch.Tensor]]:
     """Read one stream from bytes, as a client would."""
     reader = _wire.StreamReader(io.BytesIO(data).readinto, "test")
-    return _wire.read_leaves(reader, step, size=len(data))
+    return _receive.read_leaves(reader, step, size=len(data))
 
 
 def round_trip(state: Any, step: int = 1, num_chunks: int = 1) -> Any:
@@ -36,7 +36,7 @@ def round_trip(state: Any, step: int = 1, num_chunks: int = 1) -> Any:
         header = h
         tensors.update(got)
     assert header is not None
-    return _wire.assemble(header, tensors)
+    return _receive.assemble(header, tensors)
 
 
 def assert_identical(a: Any, b: Any, path: str = "state") -> None:

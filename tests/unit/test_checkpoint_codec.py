@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from ftdist.checkpointing import _wire
+from ftdist.checkpointing import _receive, _wire
 from ftdist.checkpointing._checksum import WordSum
 from ftdist.errors import CheckpointError
 from tests.unit.checkpoint_helpers import assert_identical, decode, round_trip, stream_bytes
@@ -225,7 +225,7 @@ def test_named_tuples_are_looked_up_never_imported_or_called() -> None:
     tree.append(["nt", ["ntuple", "ftdist_never_imported", "Pair", ["a"], [["list", []]]]])
     tree.append(["sys", ["ntuple", "os", "system", ["cmd"], ["echo pwned"]]])
     header, tensors = decode(_stream_with_header(doc, b"\0" * 8))
-    got = _wire.assemble(header, tensors)
+    got = _receive.assemble(header, tensors)
     assert type(got["nt"]).__name__ == "Pair" and got["nt"].a == []
     assert "ftdist_never_imported" not in sys.modules
     # os.system is no named tuple class: an inert tuple is made in its place.
@@ -269,7 +269,7 @@ def test_stream_size_must_match_what_the_transport_announced() -> None:
     data = stream_bytes({"w": torch.ones(4)})[0]
     reader = _wire.StreamReader(io.BytesIO(data).readinto, "test")
     with pytest.raises(CheckpointError, match="prefix announces"):
-        _wire.read_leaves(reader, 1, size=len(data) + 1)
+        _receive.read_leaves(reader, 1, size=len(data) + 1)
 
 
 def test_nothing_in_the_package_unpickles_or_evaluates() -> None:

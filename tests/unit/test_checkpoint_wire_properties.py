@@ -20,7 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ftdist.checkpointing import _wire
+from ftdist.checkpointing import _receive, _wire
 from ftdist.errors import CheckpointError
 from tests.unit.checkpoint_helpers import assert_identical, round_trip, stream_bytes
 
@@ -70,24 +70,24 @@ states = st.recursive(
 def counting_allocations() -> Iterator[list[int]]:
     """Record the bytes of every tensor the decoder allocates."""
     sizes: list[int] = []
-    original = _wire.allocate
+    original = _receive.allocate
 
     def allocate(meta: Any, device: torch.device, reserve: Any = None) -> torch.Tensor:
         sizes.append(meta.nbytes)
         return original(meta, device, reserve)
 
-    _wire.allocate = allocate
+    _receive.allocate = allocate
     try:
         yield sizes
     finally:
-        _wire.allocate = original
+        _receive.allocate = original
 
 
 def _decode_only_checkpoint_errors(data: bytes, step: int = 1, size: int | None = None) -> Any:
     reader = _wire.StreamReader(io.BytesIO(data).readinto, "fuzz")
     try:
-        header, got = _wire.read_leaves(reader, step, size=size)
-        return _wire.assemble(header, got)
+        header, got = _receive.read_leaves(reader, step, size=size)
+        return _receive.assemble(header, got)
     except CheckpointError:
         return None
 

@@ -96,12 +96,14 @@ def test_large_buffers_match_the_definition_across_blocks() -> None:
     cuts=st.lists(st.integers(0, 1300), max_size=6),
     row=st.sampled_from([1, 2, 3, 8, 64]),
     block_rows=st.integers(1, 5),
+    small=st.sampled_from([0, 1, 5, 8192]),
 )
-def test_row_width_and_block_size_never_change_the_digest(
-    segs: list[bytes], cuts: list[int], row: int, block_rows: int
+def test_row_width_block_size_and_small_path_never_change_the_digest(
+    segs: list[bytes], cuts: list[int], row: int, block_rows: int, small: int
 ) -> None:
     # The widths are tuned for speed only; small ones make these short
-    # inputs cross many rows and blocks (and ragged tails of each).
+    # inputs cross many rows and blocks (and ragged tails of each), and a
+    # small-piece threshold of 0 sends every piece through the rows.
     import numpy as np
 
     from ftdist.checkpointing import _checksum
@@ -111,6 +113,7 @@ def test_row_width_and_block_size_never_change_the_digest(
         mock.patch.object(_checksum, "_ROW", row),
         mock.patch.object(_checksum, "_COLUMN_WEIGHTS", weights),
         mock.patch.object(_checksum, "_BLOCK_WORDS", row * block_rows + 1),
+        mock.patch.object(_checksum, "_SMALL_WORDS", small),
     ):
         assert _digest(segs, cuts) == _by_definition(segs)
 
@@ -130,6 +133,49 @@ def test_summing_behind_gives_the_same_digest_and_stops_its_thread() -> None:
     assert not [t for t in threading.enumerate() if t.name == "ftdist-checksum"]
     with SumBehind() as unused:  # no piece, no thread
         assert unused._thread is None
+
+
+@SETTINGS
+@given(segs=segments, batch=st.sampled_from([1, 7, 64, 1 << 20]))
+def test_summing_behind_in_batches_of_any_size_gives_the_same_digest_and_segments(
+    segs: list[bytes], batch: int
+) -> None:
+    # Small pieces wait in a batch until it holds ``batch`` bytes; however
+    # the pieces and segment ends fall across hand-offs, the digest and each
+    # segment's own sums are those of summing in place.
+    import threading
+
+    from ftdist.checkpointing import _checksum
+    from ftdist.checkpointing._checksum import SumBehind, WordSum
+
+    expected = WordSum(record=True)
+    with mock.patch.object(_checksum, "BATCH_BYTES", batch), SumBehind(record=True) as behind:
+        for seg in segs:
+            for part in (seg[:3], seg[3:]):
+                behind.update(memoryview(part))
+                expected.update(memoryview(part))
+            behind.end_segment()
+            expected.end_segment()
+        assert behind.digest() == expected.digest() == _digest(segs)
+        assert behind.segments == expected.segments
+    assert not [t for t in threading.enumerate() if t.name == "ftdist-checksum"]
+
+
+def test_summing_behind_closed_early_drops_what_it_holds_and_stops_its_thread() -> None:
+    import threading
+
+    from ftdist.checkpointing import _checksum
+    from ftdist.checkpointing._checksum import SumBehind
+
+    with mock.patch.object(_checksum, "BATCH_BYTES", 10):
+        behind = SumBehind()
+        behind.update(bytes(64))  # handed over: the helper starts
+        behind.update(b"abc")  # still batched
+        assert behind._thread is not None
+        behind.close()
+        assert not behind._thread.is_alive()
+        assert behind._batch == []
+    assert not [t for t in threading.enumerate() if t.name == "ftdist-checksum"]
 
 
 @SETTINGS

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from ftdist.checkpointing import _prefault, _wire
+from ftdist.checkpointing import _prefault, _receive, _wire
 from ftdist.checkpointing._prefault import (
     MIN_BYTES,
     WINDOW,
@@ -194,9 +194,9 @@ def test_fresh_leaves_of_any_dtype_and_dense_layout_come_out_of_the_reserve(
     (data,) = stream_bytes(state)
     with ReceiveReserve(3 * base.numel() * base.element_size() + 3 * 4096) as reserve:
         reader = _wire.StreamReader(io.BytesIO(data).readinto, "test")
-        header, got = _wire.read_leaves(reader, 1, size=len(data), reserve=reserve)
+        header, got = _receive.read_leaves(reader, 1, size=len(data), reserve=reserve)
         assert all(reserve.owns(t) for t in got.values())
-    assert_identical(state, _wire.assemble(header, got))
+    assert_identical(state, _receive.assemble(header, got))
 
 
 @needs_populate
@@ -213,7 +213,7 @@ def test_leaves_that_leave_the_host_are_not_carved_out_of_the_reserve() -> None:
 
     with ReceiveReserve(4 * MIN_BYTES) as reserve:
         reader = _wire.StreamReader(io.BytesIO(data).readinto, "test")
-        header, got = _wire.read_leaves(reader, 1, device, size=len(data), reserve=reserve)
-        moved = _wire.assemble(header, got)
+        header, got = _receive.read_leaves(reader, 1, device, size=len(data), reserve=reserve)
+        moved = _receive.assemble(header, got)
         assert reserve.taken == MIN_BYTES
     assert moved["goes"].device.type == "meta" and torch.equal(moved["stays"], state["stays"])

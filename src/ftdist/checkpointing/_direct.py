@@ -130,6 +130,41 @@ def read_memory(pid: int, local: int, remote: int, nbytes: int) -> None:
         done += got
 
 
+def read_memory_many(pid: int, spans: list[tuple[int, int, int]]) -> None:
+    """Copy each (local address, remote address, length) of ``spans`` from
+    process ``pid`` into this one, in one system call when the kernel takes
+    them all (at most ``IOV_MAX``, 1024 on Linux, per call).
+
+    Raises:
+        OSError: as :func:`read_memory`.
+    """
+    if _READV is None:
+        raise OSError(errno.ENOSYS, "process_vm_readv is not available here")
+    todo = [span for span in spans if span[2]]
+    while todo:
+        count = len(todo)
+        mine, theirs = (_IoVec * count)(), (_IoVec * count)()
+        for i, (local, remote, nbytes) in enumerate(todo):
+            mine[i].iov_base, mine[i].iov_len = local, nbytes
+            theirs[i].iov_base, theirs[i].iov_len = remote, nbytes
+        got = _READV(pid, mine, count, theirs, count, 0)
+        if got < 0:
+            code = ctypes.get_errno()
+            raise OSError(code, f"process_vm_readv from pid {pid}: {os.strerror(code)}")
+        if got == 0:
+            raise OSError(errno.EFAULT, f"process_vm_readv from pid {pid} copied nothing")
+        # A short copy stops at an iovec's edge (the kernel does not split
+        # one, but a later kernel might): go on from the first byte missing.
+        rest = []
+        for local, remote, nbytes in todo:
+            if got >= nbytes:
+                got -= nbytes
+                continue
+            rest.append((local + got, remote + got, nbytes - got))
+            got = 0
+        todo = rest
+
+
 def manifest(flats: list[torch.Tensor]) -> bytes:
     """Where the source's carried tensors live: count, then (address, length) each."""
     entries = [_ENTRY.pack(f.data_ptr(), f.numel()) for f in flats]
@@ -261,12 +296,34 @@ class DirectBody:
             raise CheckpointError(f"reading {self._reader.what}'s memory failed: {exc}") from exc
         return True
 
-    def fill(self, position: int, flat: torch.Tensor, progress: Callable[[int], None]) -> None:
-        """Copy the ``position``-th carried tensor into ``flat`` (1-D uint8, CPU).
+    def fill(self, batch: list[tuple[int, torch.Tensor]], progress: Callable[[int], None]) -> None:
+        """Copy carried tensors, (position, 1-D uint8 CPU tensor) each: one
+        in pieces, or a batch of small ones in one system call.
 
         Raises:
             CheckpointError: the kernel's copy failed.
         """
+        if len(batch) == 1:
+            self._fill_one(*batch[0], progress)
+            return
+        spans = [(flat.data_ptr(), self._entries[pos][0], flat.numel()) for pos, flat in batch]
+        try:
+            read_memory_many(self._pid, spans)
+        except OSError as exc:
+            raise CheckpointError(
+                f"reading {self._reader.what}'s memory failed in a batch of "
+                f"{len(batch)} tensors: {exc}"
+            ) from exc
+        nbytes = 0
+        for _, flat in batch:
+            if flat.numel():
+                self._reader.absorb(host_view(flat))
+            self._reader.end_tensor()
+            nbytes += flat.numel()
+        progress(nbytes)
+        self._copied(nbytes)
+
+    def _fill_one(self, position: int, flat: torch.Tensor, progress: Callable[[int], None]) -> None:
         remote = self._entries[position][0]
         if flat.numel():
             view = host_view(flat)
@@ -282,11 +339,14 @@ class DirectBody:
                     ) from exc
                 self._reader.absorb(piece)
                 progress(len(piece))
-                self._since += len(piece)
-                if self._since >= PROGRESS_BYTES:
-                    self._since = 0
-                    self._send(PROGRESS)
+                self._copied(len(piece))
         self._reader.end_tensor()
+
+    def _copied(self, nbytes: int) -> None:
+        self._since += nbytes
+        if self._since >= PROGRESS_BYTES:
+            self._since = 0
+            self._send(PROGRESS)
 
     def finish(self) -> None:
         """Tell the source every tensor is copied (it then sends the trailer).

@@ -34,16 +34,15 @@ from __future__ import annotations
 import json
 import struct
 import zlib
-from collections.abc import Callable, Generator, Iterator, Mapping
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
 
-from ftdist.checkpointing import _codec, _dtensor
+from ftdist.checkpointing import _codec
 from ftdist.checkpointing._checksum import SegmentSum, SumBehind, WordSum
-from ftdist.checkpointing._codec import LeafMeta, dense_stride, where
-from ftdist.checkpointing._prefault import Prefaulter, ReceiveReserve, allocate
+from ftdist.checkpointing._codec import LeafMeta, dense_stride
 from ftdist.errors import CheckpointError
 
 MAGIC = b"FTDCKPT3"
@@ -289,6 +288,7 @@ class StreamReader:
         # tensor's own sums are kept for the receiver (TransferStats.tensor_sums).
         self._digest = SumBehind(record=True)
         self.total = 0
+        self._staging: memoryview | None = None
 
     def close(self) -> None:
         """Stop the summing helper (idempotent; reading is over)."""
@@ -368,6 +368,31 @@ class StreamReader:
                 progress(len(piece))
         self.end_tensor()
 
+    def read_batch(self, flats: list[torch.Tensor], progress: Callable[[int], None]) -> None:
+        """Fill small 1-D uint8 CPU tensors, in stream order, with one read.
+
+        Their bytes land in a staging buffer first and are copied out: one
+        read through the HTTP response's layers instead of one per tensor,
+        which cost more than the copy for tensors of a few KiB. Each tensor
+        stays a segment of its own; ``progress`` is told the batch's size.
+        """
+        views = [host_view(flat) for flat in flats]
+        nbytes = sum(len(view) for view in views)
+        if self._staging is None or len(self._staging) < nbytes:
+            self._staging = memoryview(bytearray(max(nbytes, 1 << 16)))
+        staging = self._staging
+        self._fill(staging[:nbytes])
+        offset = 0
+        for view in views:
+            end = offset + len(view)
+            if end > offset:  # an empty tensor's view is read-only
+                view[:] = staging[offset:end]
+            # Summed from the tensor: the staging buffer is refilled next batch.
+            self._digest.update(view)
+            self._digest.end_segment()
+            offset = end
+        progress(nbytes)
+
     def read_trailer(self) -> None:
         """Check the trailer against what was read.
 
@@ -413,143 +438,6 @@ def check_step(header: Header, step: int, what: str) -> None:
         )
 
 
-class BodySource(Protocol):
-    """Where a stream's tensor bytes come from when not from the stream itself."""
-
-    def fill(self, position: int, flat: torch.Tensor, progress: Callable[[int], None]) -> None:
-        """Fill the ``position``-th carried tensor's bytes (and account for them in the reader)."""
-
-    def finish(self) -> None:
-        """Every tensor is filled; the trailer comes next."""
-
-
-def read_leaves(
-    reader: StreamReader,
-    step: int,
-    device: Callable[[LeafMeta], torch.device] | None = None,
-    size: int | None = None,
-    targets: Callable[[Header], Mapping[int, torch.Tensor]] | None = None,
-    progress: Callable[[int], None] | None = None,
-    body: Callable[[Header], BodySource | None] | None = None,
-    reserve: ReceiveReserve | None = None,
-    sums: dict[int, SegmentSum] | None = None,
-) -> tuple[Header, dict[int, torch.Tensor]]:
-    """Read one stream: the header and {leaf index: tensor}.
-
-    Args:
-        reader: the stream.
-        step: the step the caller expects; any other is refused.
-        device: where each fresh tensor lands (default: CPU). Tensors are
-            received on the host and then moved.
-        size: the stream's length when known.
-        targets: given the checked header, the CPU tensors to receive into
-            in place, by leaf index (see :mod:`._targets`); the other leaves
-            get fresh tensors.
-        progress: told the size of each piece of tensor data received.
-        body: given the checked header, where the tensor bytes come from
-            instead of the stream (a direct memory read), or None for the
-            stream.
-        reserve: populated memory for the fresh tensors that land on the host.
-        sums: filled with each received tensor's word sums, by leaf index,
-            once the trailer has vouched for them.
-
-    Raises:
-        CheckpointError: wrong step, malformed, truncated or corrupted stream.
-    """
-    try:
-        header, got = _read_leaves(reader, step, device, size, targets, progress, body, reserve)
-    finally:
-        reader.close()
-    if sums is not None:
-        sums.update(zip(header.carried, reader.tensor_sums(), strict=True))
-    return header, got
-
-
-def _read_leaves(
-    reader: StreamReader,
-    step: int,
-    device: Callable[[LeafMeta], torch.device] | None,
-    size: int | None,
-    targets: Callable[[Header], Mapping[int, torch.Tensor]] | None,
-    progress: Callable[[int], None] | None,
-    body: Callable[[Header], BodySource | None] | None,
-    reserve: ReceiveReserve | None,
-) -> tuple[Header, dict[int, torch.Tensor]]:
-    header = reader.read_header(size)
-    check_step(header, step, reader.what)
-    source = body(header) if body is not None else None
-    own = targets(header) if targets is not None else {}
-    cpu = torch.device("cpu")
-    got: dict[int, torch.Tensor] = {}
-
-    def place(index: int) -> torch.device:
-        meta = header.leaves[index]
-        return cpu if index in own or device is None or meta.kind == "ndarray" else device(meta)
-
-    with Prefaulter() as prefault:
-        # Fresh leaves land on the host, then move to their device.
-        advance = prefault.advance
-
-        if progress is not None:
-
-            def advance(nbytes: int) -> None:
-                prefault.advance(nbytes)
-                progress(nbytes)
-
-        # Only leaves that stay on the host are carved out of the reserve: a
-        # dropped staging copy would keep the reserve's mapping resident.
-        on_host = (lambda index: place(index).type == "cpu") if reserve is not None else None
-        for pos, index, t in staged_leaves(header, own, cpu, prefault, reserve, on_host):
-            if source is None:
-                reader.read_into(flat_bytes(t), advance)
-            else:
-                source.fill(pos, flat_bytes(t), advance)
-            to = place(index)
-            got[index] = t if to.type == "cpu" else t.to(to)
-    if source is not None:
-        source.finish()
-    reader.read_trailer()
-    return header, got
-
-
-def staged_leaves(
-    header: Header,
-    own: Mapping[int, torch.Tensor],
-    device: torch.device,
-    prefault: Prefaulter,
-    reserve: ReceiveReserve | None = None,
-    on_host: Callable[[int], bool] | None = None,
-) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """A stream's leaves in order: (position, leaf index, tensor that receives it).
-
-    The tensor is the receiver's own (``own``, by leaf index) or a fresh one
-    on ``device`` (out of ``reserve`` while it has room, for the leaves that
-    ``on_host`` says stay there, by leaf index: all if None), allocated when its
-    turn comes or when the prefault window reaches it, so that its pages are
-    populated ahead of the bytes; a peer that announces a large state makes
-    the receiver hold no more than the window beyond what it sent.
-    """
-    if reserve is not None:
-        # The receive's own helper populates from here on, in stream order.
-        reserve.stop()
-    carried = header.carried
-    staged: dict[int, torch.Tensor] = {}
-    ahead = 0  # the next leaf to allocate
-    for pos, index in enumerate(carried):
-        while ahead <= pos or (ahead < len(carried) and prefault.wants_more()):
-            leaf_index = carried[ahead]
-            t = own.get(leaf_index)
-            if t is None:
-                keep = on_host is None or on_host(leaf_index)
-                t = allocate(header.leaves[leaf_index], device, reserve if keep else None)
-                prefault.add(t, fresh=True)
-            else:
-                prefault.add(t, fresh=False)
-            staged[leaf_index] = t
-            ahead += 1
-        yield pos, index, staged.pop(index)
-
-
 def same_state(a: Header, b: Header, what: str) -> None:
     """Check that two chunk headers describe the same state.
 
@@ -558,35 +446,3 @@ def same_state(a: Header, b: Header, what: str) -> None:
     """
     if a.step != b.step or a.tree != b.tree or a.leaves != b.leaves:
         raise CheckpointError(f"the chunks from {what} describe different states")
-
-
-def leaf(meta: LeafMeta, t: torch.Tensor) -> Any:
-    """The state's leaf for tensor ``t`` received as ``meta`` (Parameter, DTensor, array...).
-
-    Raises:
-        CheckpointError: it cannot be rebuilt here.
-    """
-    try:
-        if meta.kind == "ndarray":
-            return t.cpu().numpy()
-        if meta.kind == "dtensor" and meta.spec is not None:
-            return _dtensor.build(t, meta.spec, meta.grad, meta.param, where(meta.path))
-        if meta.kind == "parameter":
-            return torch.nn.Parameter(t, requires_grad=meta.grad)
-        return t.requires_grad_(True) if meta.grad else t
-    except RuntimeError as exc:
-        raise CheckpointError(f"cannot rebuild {where(meta.path)}: {exc}") from exc
-
-
-def assemble(header: Header, tensors: dict[int, torch.Tensor]) -> Any:
-    """Rebuild the state dict from a header and every chunk's tensors.
-
-    Raises:
-        CheckpointError: a tensor leaf is missing or cannot be rebuilt.
-    """
-    missing = [i for i in range(len(header.leaves)) if i not in tensors]
-    if missing:
-        raise CheckpointError(
-            f"checkpoint is missing tensor leaf {where(header.leaves[missing[0]].path)}"
-        )
-    return _codec.build(header.tree, lambda i: leaf(header.leaves[i], tensors[i]))

@@ -47,7 +47,7 @@ import torch
 
 from ftdist import _auth
 from ftdist._advertise import advertised_host, log_advertised
-from ftdist.checkpointing import _direct, _wire, config
+from ftdist.checkpointing import _direct, _receive, _wire, config
 from ftdist.checkpointing._checksum import SegmentSum
 from ftdist.checkpointing._codec import LeafMeta
 from ftdist.checkpointing._http_server import CheckpointServer, Request, peer_credentials
@@ -503,7 +503,7 @@ class HTTPTransport(CheckpointTransport[T]):
                 direct.append(source)
                 return source
 
-            header, tensors = _wire.read_leaves(
+            header, tensors = _receive.read_leaves(
                 reader,
                 step,
                 _default_device,
@@ -582,7 +582,7 @@ class HTTPTransport(CheckpointTransport[T]):
             nbytes = sum(part[2] for part in parts)
             # The chunks' routes, "local+tcp" if some fell back to TCP.
             route = "+".join(sorted({part[3] for part in parts}))
-        state = cast(T, _wire.assemble(header, tensors))
+        state = cast(T, _receive.assemble(header, tensors))
         self.last_transfer = TransferStats.of_receive(
             nbytes, time.perf_counter() - start, route, tensors, sums
         )

@@ -25,7 +25,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from ftdist.checkpointing import _wire
+from ftdist.checkpointing import _receive, _wire
 from ftdist.checkpointing._checksum import WordSum
 from ftdist.checkpointing._prefault import Prefaulter
 from ftdist.checkpointing._targets import in_place_targets, own_state
@@ -196,7 +196,7 @@ class PGTransport(CheckpointTransport[T]):
                 if tracker is not None:
                     tracker.add(flat.numel())
 
-            for pos, index, t in _wire.staged_leaves(
+            for pos, index, t in _receive.staged_leaves(
                 header, targets, self._device, prefault, self.receive_reserve
             ):
                 tensors[index] = t
@@ -215,4 +215,4 @@ class PGTransport(CheckpointTransport[T]):
         self.last_transfer = TransferStats.of_receive(
             total, seconds, "process group", tensors, sums
         )
-        return cast(T, _wire.assemble(header, tensors))
+        return cast(T, _receive.assemble(header, tensors))
