@@ -97,13 +97,14 @@ def test_large_buffers_match_the_definition_across_blocks() -> None:
     row=st.sampled_from([1, 2, 3, 8, 64]),
     block_rows=st.integers(1, 5),
     small=st.sampled_from([0, 1, 5, 8192]),
+    tiny=st.sampled_from([0, 8, 13, 64]),
 )
 def test_row_width_block_size_and_small_path_never_change_the_digest(
-    segs: list[bytes], cuts: list[int], row: int, block_rows: int, small: int
+    segs: list[bytes], cuts: list[int], row: int, block_rows: int, small: int, tiny: int
 ) -> None:
     # The widths are tuned for speed only; small ones make these short
-    # inputs cross many rows and blocks (and ragged tails of each), and a
-    # small-piece threshold of 0 sends every piece through the rows.
+    # inputs cross many rows and blocks (and ragged tails of each), and
+    # thresholds of 0 send every piece through the rows.
     import numpy as np
 
     from ftdist.checkpointing import _checksum
@@ -114,6 +115,7 @@ def test_row_width_block_size_and_small_path_never_change_the_digest(
         mock.patch.object(_checksum, "_COLUMN_WEIGHTS", weights),
         mock.patch.object(_checksum, "_BLOCK_WORDS", row * block_rows + 1),
         mock.patch.object(_checksum, "_SMALL_WORDS", small),
+        mock.patch.object(_checksum, "_TINY_BYTES", tiny),
     ):
         assert _digest(segs, cuts) == _by_definition(segs)
 

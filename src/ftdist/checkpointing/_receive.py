@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ftdist._gcpause import gc_paused
 from ftdist.checkpointing import _codec, _dtensor
 from ftdist.checkpointing._checksum import SegmentSum
 from ftdist.checkpointing._codec import LeafMeta, where
@@ -58,6 +59,7 @@ class BodySource(Protocol):
         """Every tensor is filled; the trailer comes next."""
 
 
+@gc_paused()
 def read_leaves(
     reader: StreamReader,
     step: int,

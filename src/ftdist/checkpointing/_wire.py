@@ -40,6 +40,7 @@ from typing import Any, cast
 
 import torch
 
+from ftdist._gcpause import gc_paused
 from ftdist.checkpointing import _codec
 from ftdist.checkpointing._checksum import SegmentSum, SumBehind, WordSum
 from ftdist.checkpointing._codec import LeafMeta, dense_stride
@@ -123,6 +124,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+@gc_paused()
 def plan(state_dict: Any, step: int, num_chunks: int = 1) -> list[Stream]:
     """Split a state dict into ``num_chunks`` streams (tensors dealt round-robin).
 

@@ -47,6 +47,7 @@ import torch
 
 from ftdist import _auth
 from ftdist._advertise import advertised_host, log_advertised
+from ftdist._gcpause import gc_paused
 from ftdist.checkpointing import _direct, _receive, _wire, config
 from ftdist.checkpointing._checksum import SegmentSum
 from ftdist.checkpointing._codec import LeafMeta
@@ -328,6 +329,7 @@ class HTTPTransport(CheckpointTransport[T]):
             req.streaming = False
 
     @classmethod
+    @gc_paused()
     def _write_direct(cls, req: Request, stream: _wire.Stream) -> None:
         # Views of the live tensors (a copy for a tensor with gaps), held here
         # until the peer is done: the addresses sent must stay valid.
@@ -355,6 +357,7 @@ class HTTPTransport(CheckpointTransport[T]):
         req.wfile.write(_wire.trailer_bytes(len(stream.head) + stream.body_len, digest))
 
     @staticmethod
+    @gc_paused()
     def _write(req: Request, pieces: Generator[memoryview | bytes, None, None]) -> None:
         # Closed here, not whenever a traceback lets go of it: its summing
         # thread stops with the transfer.

@@ -25,6 +25,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
+from ftdist._gcpause import gc_paused
 from ftdist.checkpointing import _receive, _wire
 from ftdist.checkpointing._checksum import WordSum
 from ftdist.checkpointing._prefault import Prefaulter
@@ -103,6 +104,7 @@ class PGTransport(CheckpointTransport[T]):
             )
         self._timed_out = False
 
+    @gc_paused()
     def send_checkpoint(
         self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta | None = None
     ) -> None:
@@ -152,6 +154,7 @@ class PGTransport(CheckpointTransport[T]):
         self._wait(self._pg.recv([buf], src, tag), timeout, f"receive from rank {src}")
         return bytes(_wire.host_view(buf.cpu()))
 
+    @gc_paused()
     def recv_checkpoint(
         self, src_rank: int, metadata: str, step: int, timeout: timedelta | None = None
     ) -> T:

@@ -25,6 +25,7 @@ same number :func:`fingerprint` gives on the source.
 
 from __future__ import annotations
 
+import functools
 import logging
 import zlib
 from collections.abc import Mapping
@@ -33,6 +34,7 @@ from typing import Any, cast
 import torch
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path
 
+from ftdist._gcpause import gc_paused
 from ftdist.checkpointing._checksum import SegmentSum, WordSum
 from ftdist.checkpointing._wire import sum_tensor
 from ftdist.checkpointing.transport import sums_key
@@ -88,8 +90,15 @@ def differing_parts(a: dict[str, int], b: dict[str, int]) -> list[str]:
 
 
 def _head(digest: WordSum, t: torch.Tensor) -> None:
-    digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
-    digest.end_segment()
+    digest.add(_head_sums(t.dtype, tuple(t.shape)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _head_sums(dtype: torch.dtype, shape: tuple[int, ...]) -> SegmentSum:
+    # A model's tensors share a few shapes: each header is summed once.
+    digest = WordSum()
+    digest.update(f"{dtype}{shape}".encode())
+    return digest.total()
 
 
 def _feed(digest: WordSum, leaf: Any) -> None:
@@ -102,6 +111,7 @@ def _feed(digest: WordSum, leaf: Any) -> None:
         digest.end_segment()
 
 
+@gc_paused()
 def fingerprint(state: Any) -> dict[str, int]:
     """A 64-bit digest of each part of ``state`` (tensor bytes and non-tensor values).
 
@@ -114,6 +124,7 @@ def fingerprint(state: Any) -> dict[str, int]:
     return {name: digest.fold64() for name, digest in digests.items()}
 
 
+@gc_paused()
 def plan(parts: Any, user: Any) -> dict[str, list[list[Any]]]:
     """The source's side of a heal's check: ``parts``' fingerprint, less the
     tensors ``user`` (the state the heal carries) holds too.
@@ -150,6 +161,7 @@ def plan(parts: Any, user: Any) -> dict[str, list[list[Any]]]:
     return items
 
 
+@gc_paused()
 def planned(
     the_plan: Any, user: Any, sums: Mapping[tuple[int, int], SegmentSum]
 ) -> dict[str, int] | None:

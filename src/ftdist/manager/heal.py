@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from ftdist._gcpause import gc_paused
 from ftdist.checkpointing import CheckpointTransport, TransferStats
 from ftdist.checkpointing._checksum import SegmentSum
 from ftdist.checkpointing._prefault import ReceiveReserve
@@ -151,6 +152,7 @@ class HealTimeline:
         }
 
 
+@gc_paused()
 def heal_state(
     user_state: UserState, counters: dict[str, int], consistency: ConsistencyParts
 ) -> dict[str, Any]:
@@ -429,6 +431,7 @@ class HealReporter:
         self._pool.shutdown(wait=True, cancel_futures=True)  # in flight: its own timeout
 
 
+@gc_paused()
 def load_received(
     staged: Staged, user_state: UserState, consistency: ConsistencyParts
 ) -> StateDivergenceError | None:
