@@ -14,6 +14,9 @@ pytestmark = pytest.mark.timeout(120)
 
 SETTINGS = settings(max_examples=150, deadline=None)
 segments = st.lists(st.binary(max_size=1200), min_size=1, max_size=5)
+# Whole words (as most tensors are) or not, empty ones included.
+_aligned = st.integers(0, 40).flatmap(lambda n: st.binary(min_size=8 * n, max_size=8 * n))
+mixed_segments = st.lists(st.one_of(_aligned, _aligned, st.binary(max_size=100)), max_size=12)
 
 
 def _by_definition(segs: list[bytes]) -> tuple[int, int]:
@@ -161,6 +164,54 @@ def test_summing_behind_in_batches_of_any_size_gives_the_same_digest_and_segment
         assert behind.digest() == expected.digest() == _digest(segs)
         assert behind.segments == expected.segments
     assert not [t for t in threading.enumerate() if t.name == "ftdist-checksum"]
+
+
+@SETTINGS
+@given(segs=mixed_segments, opened=st.binary(max_size=20), close_first=st.booleans())
+def test_whole_segments_summed_together_equal_one_by_one(
+    segs: list[bytes], opened: bytes, close_first: bool
+) -> None:
+    # update_segments joins whole-word segments and splits each one's sums
+    # out; it must agree with feeding them one by one, also when it is
+    # called inside an open segment (it then feeds them one by one itself).
+    from ftdist.checkpointing._checksum import WordSum
+
+    joined, single = WordSum(record=True), WordSum(record=True)
+    for d in (joined, single):
+        d.update(opened)
+        if close_first:
+            d.end_segment()
+    joined.update_segments([memoryview(seg) for seg in segs])
+    for seg in segs:
+        single.update(seg)
+        single.end_segment()
+    assert joined.digest() == single.digest()
+    assert joined.segments == single.segments
+
+
+@SETTINGS
+@given(segs=mixed_segments, batch=st.sampled_from([1, 64, 1 << 20]))
+def test_summing_behind_whole_pieces_gives_the_same_digest_and_segments(
+    segs: list[bytes], batch: int
+) -> None:
+    # Whole small segments, as a model's small tensors come: the helper sums
+    # runs of them together.
+    from ftdist.checkpointing import _checksum
+    from ftdist.checkpointing._checksum import SumBehind, WordSum
+
+    expected = WordSum(record=True)
+    with mock.patch.object(_checksum, "BATCH_BYTES", batch), SumBehind(record=True) as behind:
+        for i, seg in enumerate(segs):
+            if i % 5 == 4:  # now and then a segment in two pieces
+                behind.update(memoryview(seg)[:4])
+                behind.update(memoryview(seg)[4:])
+            else:
+                behind.update(memoryview(seg))
+            behind.end_segment()
+            expected.update(seg)
+            expected.end_segment()
+        assert behind.digest() == expected.digest()
+        assert behind.segments == expected.segments
 
 
 def test_summing_behind_closed_early_drops_what_it_holds_and_stops_its_thread() -> None:

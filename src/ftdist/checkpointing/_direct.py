@@ -68,6 +68,8 @@ STREAM = b"S"
 # within its socket timeout, as a stream's writes do, so a large state read
 # by a slow receiver does not need the whole copy within one timeout.
 PROGRESS_BYTES = 64 << 20
+# Tensors below this size are summed together (WordSum.update_segments).
+SMALL_SEGMENT_BYTES = 256 << 10
 _COUNT = struct.Struct("<Q")
 _ENTRY = struct.Struct("<QQ")
 # errno values by which the kernel says "not this process's to read".
@@ -197,8 +199,22 @@ def parse_manifest(
 def source_digest(flats: list[torch.Tensor]) -> WordSum:
     """The word sums a stream of these tensors' bytes (1-D uint8, CPU) would end with."""
     digest = WordSum()
+    small: list[memoryview] = []
+    joined = 0  # bytes in small: joined in runs of at most a piece
     for flat in flats:
+        if flat.numel() < SMALL_SEGMENT_BYTES:
+            small.append(host_view(flat))
+            joined += flat.numel()
+            if joined >= PIECE_BYTES:
+                digest.update_segments(small)
+                small, joined = [], 0
+            continue
+        if small:
+            digest.update_segments(small)
+            small, joined = [], 0
         sum_flat(digest, flat)
+    if small:
+        digest.update_segments(small)
     return digest
 
 
