@@ -448,3 +448,32 @@ def test_read_memory_names_the_kernels_refusal() -> None:
     with pytest.raises(OSError) as gone:  # a reaped pid: no such process
         _direct.read_memory(child.pid, there.data_ptr(), here.data_ptr(), 16)
     assert gone.value.errno == errno.ESRCH and _direct.refused(gone.value)
+
+
+@pytest.mark.timeout(30)
+def test_many_spans_copy_in_calls_of_at_most_iov_max_and_a_bad_address_says_so() -> None:
+    # 3000 spans of a child process's memory (more than IOV_MAX, with empty
+    # ones among them), read in as few system calls as the kernel takes.
+    sources = [torch.arange(n % 37, dtype=torch.int32) + n for n in range(3000)]
+    child_r, parent_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child keeps its copy of the tensors until told to go
+        os.close(parent_w)
+        os.read(child_r, 1)
+        os._exit(0)
+    os.close(child_r)
+    try:
+        targets = [torch.zeros_like(t) for t in sources]
+        spans = [
+            (d.data_ptr(), s.data_ptr(), s.numel() * s.element_size())
+            for d, s in zip(targets, sources, strict=True)
+        ]
+        _direct.read_memory_many(pid, spans)
+        assert all(torch.equal(d, s) for d, s in zip(targets, sources, strict=True))
+        with pytest.raises(OSError) as info:
+            _direct.read_memory_many(pid, [(targets[5].data_ptr(), 8, 4)])  # page 0: unmapped
+        assert info.value.errno == errno.EFAULT
+    finally:
+        os.write(parent_w, b"x")
+        os.close(parent_w)
+        os.waitpid(pid, 0)

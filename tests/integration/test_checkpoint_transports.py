@@ -147,6 +147,78 @@ def test_http_round_trip_is_exact(
         dst.shutdown()
 
 
+def _many_small(seed: int) -> State:
+    """A deep model's state: thousands of small tensors of every size a batch
+    meets (odd byte counts, empty, scalar), with large ones in between that
+    end a batch."""
+    g = torch.Generator().manual_seed(seed)
+    layers: dict[str, Any] = {}
+    for i in range(1200):
+        layers[f"layer{i}.weight"] = torch.randn(8, 16, generator=g)
+        layers[f"layer{i}.bias"] = torch.randn(3, generator=g).half()  # 6 bytes
+        if i % 97 == 0:
+            layers[f"layer{i}.scale"] = torch.randn(300_000, generator=g)  # 1.2 MB
+        if i % 211 == 0:
+            layers[f"layer{i}.empty"] = torch.empty(0, 4)
+            layers[f"layer{i}.mask"] = torch.rand(5, generator=g) > 0.5  # 5 bytes
+            layers[f"layer{i}.count"] = torch.tensor(i)
+    return {"model": layers, "step": seed}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_chunks", [0, 3])
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("route", ["direct", "local", "tcp"])
+def test_many_small_tensors_arrive_exact_in_few_reads(
+    route: str, in_place: bool, num_chunks: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ftdist.checkpointing import _direct
+
+    # Counted, not replaced: a batch of small tensors is one read of the
+    # stream or one process_vm_readv, never one per tensor.
+    reads: list[int] = []
+    many, batch = _direct.read_memory_many, _wire.StreamReader.read_batch
+
+    def counted_many(pid: int, spans: list[tuple[int, int, int]]) -> None:
+        reads.append(len(spans))
+        many(pid, spans)
+
+    def counted_batch(self: _wire.StreamReader, flats: Any, progress: Any) -> None:
+        reads.append(len(flats))
+        batch(self, flats, progress)
+
+    monkeypatch.setattr(_direct, "read_memory_many", counted_many)
+    monkeypatch.setattr(_wire.StreamReader, "read_batch", counted_batch)
+    src = HTTPTransport[State](TIMEOUT, hostname="127.0.0.1", num_chunks=num_chunks)
+    dst = _receiver(route, hostname="127.0.0.1", num_chunks=num_chunks)
+    try:
+        state = _many_small(1)
+        own = _many_small(2)
+        if in_place:
+            dst.receive_into = lambda: own
+        src.send_checkpoint([1], step=4, state_dict=state, timeout=TIMEOUT)
+        got = dst.recv_checkpoint(0, _metadata(src, route), step=4, timeout=TIMEOUT)
+        _assert_same(state, got)
+        _check_route(dst, route)
+        if in_place:  # received into the receiver's own tensors
+            for name in ("layer5.weight", "layer5.bias", "layer97.scale"):
+                assert got["model"][name].data_ptr() == own["model"][name].data_ptr(), name
+        small = sum(1 for t in state["model"].values() if t.numel() * t.element_size() < 1 << 18)
+        assert sum(reads) == small
+        # Batches end at each large tensor (13 here), else at 4 MiB or 1024 tensors.
+        assert len(reads) <= small // 50, reads
+        sums = dst.last_transfer.tensor_sums if dst.last_transfer is not None else {}
+        for name in ("layer0.weight", "layer0.bias", "layer97.scale", "layer211.mask"):
+            t = got["model"][name]
+            digest = WordSum()
+            _wire.sum_tensor(digest, t)
+            assert sums[(t.data_ptr(), t.numel() * t.element_size())] == digest.total(), name
+        src.disallow_checkpoint()
+    finally:
+        src.shutdown()
+        dst.shutdown()
+
+
 def _impostor(name: str, report: int) -> None:
     """In a forked child: serve ``name`` as another user; report the bytes any client sends."""
     try:

@@ -72,6 +72,8 @@ PROGRESS_BYTES = 64 << 20
 SMALL_SEGMENT_BYTES = 256 << 10
 _COUNT = struct.Struct("<Q")
 _ENTRY = struct.Struct("<QQ")
+# Linux's IOV_MAX: process_vm_readv refuses more iovecs in one call.
+_IOV_MAX = 1024
 # errno values by which the kernel says "not this process's to read".
 _REFUSED = {errno.EPERM, errno.EACCES, errno.ESRCH, errno.ENOSYS}
 
@@ -144,9 +146,9 @@ def read_memory_many(pid: int, spans: list[tuple[int, int, int]]) -> None:
         raise OSError(errno.ENOSYS, "process_vm_readv is not available here")
     todo = [span for span in spans if span[2]]
     while todo:
-        count = len(todo)
+        count = min(len(todo), _IOV_MAX)
         mine, theirs = (_IoVec * count)(), (_IoVec * count)()
-        for i, (local, remote, nbytes) in enumerate(todo):
+        for i, (local, remote, nbytes) in enumerate(todo[:count]):
             mine[i].iov_base, mine[i].iov_len = local, nbytes
             theirs[i].iov_base, theirs[i].iov_len = remote, nbytes
         got = _READV(pid, mine, count, theirs, count, 0)
@@ -158,13 +160,13 @@ def read_memory_many(pid: int, spans: list[tuple[int, int, int]]) -> None:
         # A short copy stops at an iovec's edge (the kernel does not split
         # one, but a later kernel might): go on from the first byte missing.
         rest = []
-        for local, remote, nbytes in todo:
+        for local, remote, nbytes in todo[:count]:
             if got >= nbytes:
                 got -= nbytes
                 continue
             rest.append((local + got, remote + got, nbytes - got))
             got = 0
-        todo = rest
+        todo = rest + todo[count:]
 
 
 def manifest(flats: list[torch.Tensor]) -> bytes:
