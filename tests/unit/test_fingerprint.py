@@ -17,7 +17,14 @@ from hypothesis import strategies as st
 from ftdist.checkpointing import HTTPTransport
 from ftdist.checkpointing._checksum import SegmentSum
 from ftdist.errors import StateDivergenceError
-from ftdist.manager.fingerprint import MAX_PARTS, fingerprint, fold_parts, plan, planned
+from ftdist.manager.fingerprint import (
+    MAX_PARTS,
+    fingerprint,
+    fold_parts,
+    plan,
+    plan_items,
+    planned,
+)
 from ftdist.manager.heal import HealTimeline, Staged, heal_state, load_received
 from ftdist.manager.state import ConsistencyParts, UserState
 
@@ -79,7 +86,7 @@ def test_a_heal_that_loads_everything_passes_without_the_source_hashing_its_tens
     state = heal_state(source.user, {"step": 3}, source.parts)
     # Every parameter and momentum buffer travels in the heal: the plan
     # names each by position instead of carrying its sums.
-    items = [item for entries in state["consistency_plan"].values() for item in entries]
+    items = [item for part in state["consistency_plan"].values() for item in plan_items(part)]
     assert sum(item[0] == "t" for item in items) == 2 * len(list(source.model.parameters()))
     staged, error = _heal(transports, source, receiver)
     assert error is None
@@ -123,6 +130,9 @@ def test_a_plan_that_does_not_fit_the_state_skips_the_check_and_says_so(
     assert planned({"p": [["t", 0, 3]]}, user, {}) is None  # not the tensor's size
     assert planned({"p": [["?", 1, 2, 3]]}, user, {}) is None
     assert planned(["not", "a", "plan"], user, {}) is None
+    packed = plan({"ddp": dict(source.model.named_parameters())}, user)
+    assert planned({k: v[:-3] for k, v in packed.items()}, user, {}) is None  # truncated
+    assert planned({k: b"x" + v for k, v in packed.items()}, user, {}) is None  # unknown item
     assert "consistency plan does not fit" in caplog.text
 
 
@@ -152,6 +162,9 @@ def test_a_plan_rebuilds_exactly_the_fingerprint_of_the_parts(
     want = fold_parts(fingerprint(parts), MAX_PARTS)
     the_plan = plan(parts, user)
     assert planned(the_plan, user, {}) == want
+    # As a source before the packed plan sent it: lists of items.
+    listed = {k: [list(item) for item in plan_items(v)] for k, v in the_plan.items()}
+    assert planned(listed, user, {}) == want
     # The receiver holds a copy: the plan is read against its bytes.
     received = copy.deepcopy(user)
     assert planned(the_plan, received, {}) == want
@@ -168,7 +181,7 @@ def test_the_plan_is_cheap_to_make_for_a_state_the_heal_carries(
     caplog.set_level(logging.WARNING)
     replica = Replica(0, (64, 64, 64))
     the_plan = replica.parts.plan(replica.user.save())
-    runs = [item for entries in the_plan.values() for item in entries if item[0] == "w"]
+    runs = [item for part in the_plan.values() for item in plan_items(part) if item[0] == "w"]
     # Only headers and values are summed on the source: a handful of words each.
     assert runs and max(int(item[3]) for item in runs) < 16
     assert not caplog.text

@@ -73,6 +73,10 @@ _NUMPY_SCALARS = (
 ).split()
 
 
+# Values that are their own encoding (None aside).
+_PLAIN = frozenset({bool, int, float, str})
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The wire name of a tensor dtype (``"float32"``).
 
@@ -93,8 +97,13 @@ def where(path: tuple[Any, ...]) -> str:
     return "state_dict" + "".join(keys)
 
 
+@functools.lru_cache(maxsize=4096)
 def dense_stride(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    """Whether ``stride`` lays ``shape`` out without gaps or overlaps (any dim order)."""
+    """Whether ``stride`` lays ``shape`` out without gaps or overlaps (any dim order).
+
+    Cached: a model's tensors share a few layouts, and both ends of a heal
+    ask for each tensor.
+    """
     dims = sorted((st, sz) for sz, st in zip(shape, stride, strict=True) if sz != 1)
     expected = 1
     for st, sz in dims:
@@ -149,8 +158,14 @@ class _Encoder:
         self.tensors = tensors
 
     def pairs(self, d: dict[Any, Any], path: tuple[Any, ...], depth: int) -> list[Any]:
+        # Plain keys and values (most of a state) skip the call and the path
+        # tuple it would build: a model's state has thousands of them.
         return [
-            [self.key(k, path, depth), self.value(v, (*path, k), depth + 1)] for k, v in d.items()
+            [
+                k if type(k) in _PLAIN else self.key(k, path, depth),
+                v if v is None or type(v) in _PLAIN else self.value(v, (*path, k), depth + 1),
+            ]
+            for k, v in d.items()
         ]
 
     def key(self, k: Any, path: tuple[Any, ...], depth: int) -> Any:
@@ -176,7 +191,10 @@ class _Encoder:
             extra = [] if meta is None else [self.value(meta, (*path, "_metadata"), depth + 1)]
             return ["odict", self.pairs(obj, path, depth), *extra]
         if kind in (list, tuple, set, frozenset):
-            items = [self.value(v, (*path, i), depth + 1) for i, v in enumerate(obj)]
+            items = [
+                v if v is None or type(v) in _PLAIN else self.value(v, (*path, i), depth + 1)
+                for i, v in enumerate(obj)
+            ]
             return [kind.__name__, items]
         if kind is torch.Size:
             return ["size", list(obj)]
@@ -338,7 +356,14 @@ def _int(v: Any, what: str, lo: int = 0, hi: int = _MAX_NBYTES) -> int:
 def _ints(v: Any, what: str, n: int | None = None) -> tuple[int, ...]:
     if type(v) is not list or len(v) > _MAX_DIMS or (n is not None and len(v) != n):
         raise _bad(f"{what} must be a list of at most {_MAX_DIMS} ints")
-    return tuple(_int(x, what) for x in v)
+    if all(type(x) is int and 0 <= x <= _MAX_NBYTES for x in v):
+        return tuple(v)
+    return tuple(_int(x, what) for x in v)  # raises, naming the bad one
+
+
+@functools.lru_cache(maxsize=256)
+def _valid_device(device: str) -> bool:
+    return _DEVICE.fullmatch(device) is not None
 
 
 def _meta(index: int, m: Any, path: tuple[Any, ...]) -> LeafMeta:
@@ -350,7 +375,7 @@ def _meta(index: int, m: Any, path: tuple[Any, ...]) -> LeafMeta:
         allowed |= {"spec", "param"}
     elif kind not in ("tensor", "parameter", "ndarray"):
         raise _bad(f"tensor {index} has unknown kind {kind!r:.40}")
-    if set(m) != allowed:
+    if m.keys() != allowed:
         raise _bad(f"tensor {index} has fields {sorted(m)!r:.200}, expected {sorted(allowed)}")
     dtype = TENSOR_DTYPES.get(m["dtype"]) if type(m["dtype"]) is str else None
     if dtype is None:
@@ -360,7 +385,7 @@ def _meta(index: int, m: Any, path: tuple[Any, ...]) -> LeafMeta:
     if not dense_stride(shape, stride):
         raise _bad(f"tensor {index} has strides {stride} that do not lay out shape {shape} densely")
     device = m["device"]
-    if type(device) is not str or not _DEVICE.fullmatch(device):
+    if type(device) is not str or not _valid_device(device):
         raise _bad(f"tensor {index} has device {device!r:.40}")
     if type(m["grad"]) is not bool or type(m.get("param", False)) is not bool:
         raise _bad(f"tensor {index} has non-bool flags")
@@ -418,7 +443,10 @@ class _Decoder:
     def items(self, v: Any, path: tuple[Any, ...], depth: int) -> list[Any]:
         if type(v) is not list:
             raise _bad(f"{where(path)} has a {type(v).__name__} where a list belongs")
-        return [self.value(x, (*path, i), depth + 1) for i, x in enumerate(v)]
+        return [
+            x if x is None or type(x) in _PLAIN else self.value(x, (*path, i), depth + 1)
+            for i, x in enumerate(v)
+        ]
 
     def mapping(self, v: Any, path: tuple[Any, ...], depth: int) -> list[tuple[Any, Any]]:
         if type(v) is not list:
@@ -427,9 +455,14 @@ class _Decoder:
         for pair in v:
             if type(pair) is not list or len(pair) != 2:
                 raise _bad(f"{where(path)} has a malformed key-value pair")
-            k = self.value(pair[0], path, depth + 1)
-            _hashable(k, path)
-            out.append((k, self.value(pair[1], (*path, k), depth + 1)))
+            k = pair[0]
+            if type(k) not in _PLAIN:
+                k = self.value(k, path, depth + 1)
+                _hashable(k, path)
+            v = pair[1]
+            if v is not None and type(v) not in _PLAIN:
+                v = self.value(v, (*path, k), depth + 1)
+            out.append((k, v))
         return out
 
     def value(self, node: Any, path: tuple[Any, ...], depth: int) -> Any:

@@ -213,7 +213,7 @@ class ConsistencyParts:
         """The word-sum digest of each part (see :func:`~ftdist.manager.fingerprint.fingerprint`)."""
         return fold_parts(fingerprint(self._state()), MAX_PARTS)
 
-    def plan(self, carried: Any) -> dict[str, list[list[Any]]]:
+    def plan(self, carried: Any) -> dict[str, bytes]:
         """How a receiver of ``carried`` rebuilds :meth:`fingerprint` (see
         :func:`~ftdist.manager.fingerprint.plan`)."""
         return plan(self._state(), carried)
