@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from ftdist.checkpointing._checksum import WordSum
+from ftdist.checkpointing._checksum import JOIN_BELOW, WordSum
 from ftdist.checkpointing._http_server import peer_credentials
 from ftdist.checkpointing._wire import PIECE_BYTES, StreamReader, host_view, sum_flat
 from ftdist.errors import CheckpointError
@@ -68,8 +68,6 @@ STREAM = b"S"
 # within its socket timeout, as a stream's writes do, so a large state read
 # by a slow receiver does not need the whole copy within one timeout.
 PROGRESS_BYTES = 64 << 20
-# Tensors below this size are summed together (WordSum.update_segments).
-SMALL_SEGMENT_BYTES = 256 << 10
 _COUNT = struct.Struct("<Q")
 _ENTRY = struct.Struct("<QQ")
 # Linux's IOV_MAX: process_vm_readv refuses more iovecs in one call.
@@ -204,7 +202,7 @@ def source_digest(flats: list[torch.Tensor]) -> WordSum:
     small: list[memoryview] = []
     joined = 0  # bytes in small: joined in runs of at most a piece
     for flat in flats:
-        if flat.numel() < SMALL_SEGMENT_BYTES:
+        if flat.numel() < JOIN_BELOW:
             small.append(host_view(flat))
             joined += flat.numel()
             if joined >= PIECE_BYTES:
