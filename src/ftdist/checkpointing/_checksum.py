@@ -52,8 +52,8 @@ _WORDS = np.dtype("<u8")
 # Pieces of up to this many words take one dot product with a precomputed
 # weight vector instead: two numpy calls where the rows take seven, whose
 # fixed cost outweighed the summing on small tensors (a state of 3000 16 KiB
-# tensors spent 20 us per tensor in _weighted, 8 us this way). Above it the
-# rows win (64 KiB: 15 against 22 us; 256 KiB: 42 against 35 us).
+# tensors spent 20 us per tensor in _weighted, 8 us this way). At 64 KiB the
+# dot product still wins (15 against 22 us), at 256 KiB the rows (35 against 42).
 _SMALL_WORDS = 8192
 _SMALL_WEIGHTS = np.arange(1, _SMALL_WORDS + 1, dtype=np.uint64)
 # Updates of at most this many bytes (with the carry) are summed with Python
@@ -297,21 +297,23 @@ class SumBehind:
         # together (WordSum.update_segments); the rest one by one.
         run: list[Any] = []
         after_end = True
+        ended = False  # the next item is the end of a segment put in the run
         for i, item in enumerate(batch):
             if item is _SEGMENT_END:
-                if run and run[-1] is batch[i - 1]:
-                    after_end = True
-                    continue  # the end of a segment already in the run
+                after_end = True
+                if ended:
+                    ended = False
+                    continue
                 if run:
                     self._sum.update_segments(run)
                     run = []
                 self._sum.end_segment()
-                after_end = True
                 continue
             whole = i + 1 < len(batch) and batch[i + 1] is _SEGMENT_END
             nbytes = len(item) if isinstance(item, bytes | bytearray) else item.nbytes
             if whole and after_end and nbytes < JOIN_BELOW:
                 run.append(item)
+                ended = True
             else:
                 if run:
                     self._sum.update_segments(run)
