@@ -3,11 +3,12 @@ the bytes it received (real HTTP transports on loopback for the end to end)."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import itertools
 import logging
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import pytest
 import torch
@@ -200,3 +201,49 @@ def test_a_large_models_rebuilt_fingerprint_is_folded_like_its_own(
     staged, error = _heal(transports, source, receiver)
     assert error is None
     assert planned(staged.state["consistency_plan"], staged.state["user"], staged.sums) == folded
+
+
+class _Pair(NamedTuple):
+    left: Any
+    right: Any
+
+
+_leaf = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-5, 5),
+    st.floats(allow_nan=False),
+    st.text(max_size=3),
+    st.binary(max_size=3),
+    st.integers(0, 3).map(lambda n: torch.arange(n)),
+    st.frozensets(st.integers(0, 3), max_size=2),
+)
+_key = st.one_of(st.text(max_size=4), st.integers(-3, 3))
+_tree = st.recursive(
+    _leaf,
+    lambda children: st.one_of(
+        st.lists(children, max_size=3),
+        st.lists(children, max_size=3).map(tuple),
+        st.dictionaries(_key, children, max_size=3),
+        st.dictionaries(_key, children, max_size=3).map(collections.OrderedDict),
+        st.dictionaries(_key, children, max_size=3).map(lambda d: collections.defaultdict(int, d)),
+        st.tuples(children, children).map(lambda lr: _Pair(*lr)),
+    ),
+    max_leaves=25,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(tree=_tree)
+def test_named_leaves_are_torchs_leaves_with_their_part_names(tree: Any) -> None:
+    # Plans name tensors by position among the leaves, and parts by path: a
+    # receiver must count and name exactly as the source does, and as
+    # torch's pytree (which sources before the fast walk used).
+    from torch.utils._pytree import tree_flatten_with_path
+
+    from ftdist.manager.fingerprint import _path_name, named_leaves
+
+    want = [(_path_name(path), leaf) for path, leaf in tree_flatten_with_path(tree)[0]]
+    got = named_leaves(tree)
+    assert [name for name, _ in got] == [name for name, _ in want]
+    assert all(a is b for (_, a), (_, b) in zip(got, want, strict=True))
