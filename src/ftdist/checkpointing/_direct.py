@@ -52,9 +52,9 @@ from typing import Any
 
 import torch
 
-from ftdist.checkpointing._checksum import JOIN_BELOW, WordSum
+from ftdist.checkpointing._checksum import WordSum
 from ftdist.checkpointing._http_server import peer_credentials
-from ftdist.checkpointing._wire import PIECE_BYTES, StreamReader, host_view, sum_flat
+from ftdist.checkpointing._wire import PIECE_BYTES, StreamReader, host_view, tensor_sums
 from ftdist.errors import CheckpointError
 
 logger = logging.getLogger("ftdist.checkpointing.http")
@@ -199,22 +199,8 @@ def parse_manifest(
 def source_digest(flats: list[torch.Tensor]) -> WordSum:
     """The word sums a stream of these tensors' bytes (1-D uint8, CPU) would end with."""
     digest = WordSum()
-    small: list[memoryview] = []
-    joined = 0  # bytes in small: joined in runs of at most a piece
-    for flat in flats:
-        if flat.numel() < JOIN_BELOW:
-            small.append(host_view(flat))
-            joined += flat.numel()
-            if joined >= PIECE_BYTES:
-                digest.update_segments(small)
-                small, joined = [], 0
-            continue
-        if small:
-            digest.update_segments(small)
-            small, joined = [], 0
-        sum_flat(digest, flat)
-    if small:
-        digest.update_segments(small)
+    for run in tensor_sums(flats):  # the sums compose (SegmentSum)
+        digest.add(run)
     return digest
 
 

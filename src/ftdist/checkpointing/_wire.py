@@ -42,7 +42,7 @@ import torch
 
 from ftdist._gcpause import gc_paused
 from ftdist.checkpointing import _codec
-from ftdist.checkpointing._checksum import SegmentSum, SumBehind, WordSum
+from ftdist.checkpointing._checksum import JOIN_BELOW, SegmentSum, SumBehind, WordSum
 from ftdist.checkpointing._codec import LeafMeta, dense_stride
 from ftdist.errors import CheckpointError
 
@@ -98,6 +98,42 @@ def sum_flat(digest: WordSum, flat: torch.Tensor) -> None:
 def sum_tensor(digest: WordSum, t: torch.Tensor) -> None:
     """Feed the contents of ``t`` (any device, any layout), row-major, as one segment."""
     sum_flat(digest, t.detach().contiguous().reshape(-1).view(torch.uint8))
+
+
+def tensor_sums(tensors: list[torch.Tensor]) -> list[SegmentSum]:
+    """Each tensor's sums, over its values' bytes in row-major order (as
+    :func:`sum_tensor` feeds them; a 1-D uint8 tensor's are its bytes), in order.
+
+    Small host tensors are summed together in runs of up to
+    :data:`PIECE_BYTES` (:meth:`~._checksum.WordSum.update_segments`): a
+    model of 3000 small tensors took 0.18-0.27 s to fingerprint one by one.
+    """
+    out: list[SegmentSum] = []
+    run: list[memoryview] = []
+    run_bytes = 0
+
+    def close_run() -> None:
+        nonlocal run, run_bytes
+        if run:
+            joined = WordSum(record=True)
+            joined.update_segments(run)
+            out.extend(joined.segments or ())
+            run, run_bytes = [], 0
+
+    for t in tensors:
+        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        if flat.device.type == "cpu" and flat.numel() < JOIN_BELOW:
+            run.append(host_view(flat))
+            run_bytes += flat.numel()
+            if run_bytes >= PIECE_BYTES:
+                close_run()
+            continue
+        close_run()
+        own = WordSum()
+        sum_flat(own, flat)
+        out.append(own.total())
+    close_run()
+    return out
 
 
 @dataclass(frozen=True)
