@@ -943,3 +943,49 @@ def test_pg_fresh_tensors_land_in_the_receive_reserve(gloo_pair: list[Any], room
         got = b.recv_checkpoint(0, "<n/a>", 3)
         sent.result(timeout=20)
     _check_reserved(reserve, got, mine, room)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("in_place", [False, True])
+def test_pg_small_tensors_travel_in_batches_over_gloo(gloo_pair: list[Any], in_place: bool) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    # Counted, not replaced: the receiver's messages on the real group.
+    received: list[int] = []
+    recv = gloo_pair[1].recv
+
+    def counted(tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        received.append(tensors[0].numel())
+        return recv(tensors, src, tag)
+
+    gloo_pair[1].recv = counted
+    state, own = _many_small(1), _many_small(2)
+    a = PGTransport[State](gloo_pair[0], TIMEOUT)
+    b = PGTransport[State](gloo_pair[1], TIMEOUT, state_dict=(lambda: own) if in_place else None)
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        sent = executor.submit(a.send_checkpoint, [1], 4, state, TIMEOUT)
+        got = b.recv_checkpoint(0, "<n/a>", 4)
+        sent.result(timeout=20)
+    _assert_same(state, got)
+    if in_place:
+        for name in ("layer5.weight", "layer5.bias", "layer97.scale", "layer211.mask"):
+            assert got["model"][name].data_ptr() == own["model"][name].data_ptr(), name
+    tensors = list(state["model"].values())
+    small = sum(1 for t in tensors if 0 < t.numel() * t.element_size() < 1 << 18)
+    large = len(tensors) - small - sum(1 for t in tensors if not t.numel())
+    # prefix, header, trailer, each large tensor alone, the small ones batched
+    # between them (13 large ones here; batches also end at 1024 tensors).
+    assert len(received) <= 3 + large + (large + 1) + small // 1024 + 1, len(received)
+    assert (
+        sum(received)
+        == sum(t.numel() * t.element_size() for t in tensors)
+        + sum(received[:2])
+        + _wire.TRAILER_BYTES
+    )
+    assert b.last_transfer is not None
+    sums = b.last_transfer.tensor_sums
+    for name in ("layer0.weight", "layer0.bias", "layer97.scale", "layer211.mask"):
+        t = got["model"][name]
+        digest = WordSum()
+        _wire.sum_tensor(digest, t)
+        assert sums[(t.data_ptr(), t.numel() * t.element_size())] == digest.total(), name

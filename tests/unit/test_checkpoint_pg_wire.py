@@ -48,8 +48,8 @@ def test_every_message_travels_on_the_transport_device() -> None:
     # "meta" stands in for an accelerator: no data, but a device of its own.
     PGTransport[dict[str, Any]](loop, TIMEOUT, device="meta").send_checkpoint([1], 3, _state())
     assert {device.type for _, device in loop.sent} == {"meta"}
-    # prefix, header, the two non-empty tensors, trailer
-    assert [tag for tag, _ in loop.sent] == [1, 2, 16, 17, 3]
+    # prefix, header, the three small tensors (one empty) in one batch, trailer
+    assert [tag for tag, _ in loop.sent] == [1, 2, 16, 3]
 
 
 def test_round_trip_in_place_only_into_matching_tensors() -> None:
@@ -102,3 +102,83 @@ def test_send_refuses_what_cannot_travel_before_sending_anything() -> None:
     with pytest.raises(TypeError, match=r"state_dict\['fn'\]"):
         PGTransport[dict[str, Any]](loop, TIMEOUT).send_checkpoint([1], 3, {"fn": print})
     assert loop.sent == []
+
+
+def _many_small() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(5)
+    state: dict[str, Any] = {f"b{i}": torch.randn(i % 7, generator=g) for i in range(300)}
+    state["big"] = torch.randn(100_000, generator=g)  # 400 KB: a message of its own
+    state["after"] = [torch.randn(3, generator=g).half() for _ in range(5)]  # 6 bytes each
+    return state
+
+
+def _send_one_message_per_tensor(loop: Loopback, step: int, state: Any) -> None:
+    """What a sender from before batches put on the wire: no flag, one message per tensor."""
+    from ftdist.checkpointing._checksum import WordSum
+
+    stream = _wire.plan(state, step)[0]
+    on = lambda data: torch.frombuffer(bytearray(data), dtype=torch.uint8)  # noqa: E731
+    loop.send([on(stream.head[: _wire.PREFIX_BYTES])], 1, 1)
+    loop.send([on(stream.head[_wire.PREFIX_BYTES :])], 1, 2)
+    digest, total = WordSum(), len(stream.head)
+    for i, t in enumerate(stream.tensors):
+        flat = _wire.flat_bytes(t)
+        if flat.numel():
+            loop.send([flat], 1, 16 + i)
+            _wire.sum_flat(digest, flat)
+            total += flat.numel()
+    loop.send([on(_wire.trailer_bytes(total, digest))], 1, 3)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_small_tensors_travel_in_batches_and_arrive_exact(in_place: bool) -> None:
+    loop = Loopback()
+    state = _many_small()
+    PGTransport[dict[str, Any]](loop, TIMEOUT).send_checkpoint([1], 3, state)
+    # prefix, header, the 300 small ones in one batch, the large one alone,
+    # the five after it in one batch, trailer.
+    assert [tag for tag, _ in loop.sent] == [1, 2, 16, 16 + 300, 16 + 301, 3]
+    mine = _many_small() if in_place else None
+    if mine is not None:
+        for t in mine.values():
+            if isinstance(t, torch.Tensor):
+                t.zero_()
+    receiver = PGTransport[dict[str, Any]](loop, TIMEOUT, state_dict=lambda: mine or {})
+    got = receiver.recv_checkpoint(0, "<n/a>", 3)
+    assert_identical(state, got)
+    if mine is not None:
+        assert got["b5"].data_ptr() == mine["b5"].data_ptr()
+        assert got["after"][4].data_ptr() == mine["after"][4].data_ptr()
+    assert [tag for tag, _ in loop.received] == [1, 2, 16, 16 + 300, 16 + 301, 3]
+    # The transport's sums of each tensor are those of its bytes.
+    from ftdist.checkpointing._checksum import WordSum
+
+    sums = receiver.last_transfer.tensor_sums if receiver.last_transfer is not None else {}
+    for t in [got["b1"], got["b6"], got["big"], got["after"][2]]:
+        digest = WordSum()
+        _wire.sum_tensor(digest, t)
+        assert sums[(t.data_ptr(), t.numel() * t.element_size())] == digest.total()
+
+
+def test_a_sender_of_one_message_per_tensor_is_still_understood() -> None:
+    loop = Loopback()
+    state = _many_small()
+    _send_one_message_per_tensor(loop, 3, state)
+    got = PGTransport[dict[str, Any]](loop, TIMEOUT).recv_checkpoint(0, "<n/a>", 3)
+    assert_identical(state, got)
+    assert len(loop.received) == 3 + sum(
+        1 for t in [*state.values(), *state["after"]] if isinstance(t, torch.Tensor) and t.numel()
+    )
+
+
+def test_an_unknown_flag_is_refused_before_anything_else_is_received() -> None:
+    loop = Loopback()
+    _send_one_message_per_tensor(loop, 3, _many_small())
+    head = bytes(loop.queues[1][0].numpy())
+    loop.queues[1][0] = torch.frombuffer(bytearray(_wire.with_flags(head, 2)), dtype=torch.uint8)
+    with pytest.raises(CheckpointError, match=r"flags 0x2.*same ftdist version"):
+        PGTransport[dict[str, Any]](loop, TIMEOUT).recv_checkpoint(0, "<n/a>", 3)
+    assert [tag for tag, _ in loop.received] == [1]
+    # A stream reader (HTTP) knows no flag: a batched process-group prefix is refused there too.
+    with pytest.raises(CheckpointError, match="flags 0x1"):
+        _wire.parse_prefix(_wire.with_flags(head, _wire.FLAG_BATCHED), "peer")

@@ -181,12 +181,24 @@ def test_whole_segments_summed_together_equal_one_by_one(
         d.update(opened)
         if close_first:
             d.end_segment()
+    back_to_back = WordSum(record=True)
+    back_to_back.update(opened)
+    if close_first:
+        back_to_back.end_segment()
     joined.update_segments([memoryview(seg) for seg in segs])
+    # The same segments lying back to back in one buffer (a batch received
+    # into one staging buffer).
+    back_to_back.update_joined(b"".join(segs), [len(seg) for seg in segs])
     for seg in segs:
         single.update(seg)
         single.end_segment()
-    assert joined.digest() == single.digest()
-    assert joined.segments == single.segments
+    assert joined.digest() == single.digest() == back_to_back.digest()
+    assert joined.segments == single.segments == back_to_back.segments
+
+
+def test_segments_back_to_back_must_add_up_to_the_buffer() -> None:
+    with pytest.raises(ValueError, match="segments of 16 bytes in all given with 24 bytes"):
+        WordSum().update_joined(bytes(24), [8, 8])
 
 
 @SETTINGS

@@ -31,7 +31,7 @@ from __future__ import annotations
 import queue
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -154,18 +154,47 @@ class WordSum:
         numpy calls for the lot instead of several per segment.
         """
         views = [memoryview(p).cast("B") for p in pieces]
-        at_boundary = not self._carry and self._mark == (self._words, self._s1, self._s2)
-        if len(views) < 2 or not at_boundary or any(len(v) % WORD for v in views):
+        if len(views) < 2 or not self._joinable(len(v) for v in views):
             for view in views:
                 self.update(view)
                 self.end_segment()
             return
-        joined = np.frombuffer(b"".join(views), dtype=_WORDS)
+        self._fold_joined(b"".join(views), [len(v) for v in views])
+
+    def update_joined(self, data: bytes | bytearray | memoryview, lengths: Sequence[int]) -> None:
+        """Feed whole segments that lie back to back in ``data``, of ``lengths`` bytes
+        (which add up to its length), as :meth:`update_segments` would feed them apart.
+
+        Raises:
+            ValueError: the lengths do not add up to the data's.
+        """
+        view = memoryview(data).cast("B")
+        if sum(lengths) != len(view):
+            raise ValueError(
+                f"segments of {sum(lengths)} bytes in all given with {len(view)} bytes of data"
+            )
+        if len(lengths) > 1 and self._joinable(lengths):
+            self._fold_joined(view, list(lengths))
+            return
+        offset = 0
+        for n in lengths:
+            self.update(view[offset : offset + n])
+            self.end_segment()
+            offset += n
+
+    def _joinable(self, lengths: Iterable[int]) -> bool:
+        # Whole words only, from a segment boundary: then the joined words'
+        # positions are the segments' own.
+        at_boundary = not self._carry and self._mark == (self._words, self._s1, self._s2)
+        return at_boundary and not any(n % WORD for n in lengths)
+
+    def _fold_joined(self, data: bytes | memoryview, lengths: list[int]) -> None:
+        joined = np.frombuffer(data, dtype=_WORDS)
         self._fold(joined)
         if self.segments is not None:
-            lengths = [len(v) // WORD for v in views]
-            starts = np.cumsum([0, *lengths[:-1]], dtype=np.int64)
-            filled = [i for i, n in enumerate(lengths) if n]
+            words = [n // WORD for n in lengths]
+            starts = np.cumsum([0, *words[:-1]], dtype=np.int64)
+            filled = [i for i, n in enumerate(words) if n]
             runs = {}
             if filled:
                 at = starts[filled]
@@ -175,11 +204,11 @@ class WordSum:
                 weighted = joined * np.arange(1, len(joined) + 1, dtype=np.uint64)
                 s2s = np.add.reduceat(weighted, at) - at.astype(np.uint64) * s1s
                 runs = {
-                    i: SegmentSum(int(a), int(b), lengths[i])
+                    i: SegmentSum(int(a), int(b), words[i])
                     for i, a, b in zip(filled, s1s, s2s, strict=True)
                 }
             empty = SegmentSum(0, 0, 0)
-            self.segments.extend(runs.get(i, empty) for i in range(len(views)))
+            self.segments.extend(runs.get(i, empty) for i in range(len(words)))
         self._mark = (self._words, self._s1, self._s2)
 
     def _fold_tiny(self, words: tuple[int, ...]) -> None:

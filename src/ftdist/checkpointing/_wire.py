@@ -9,7 +9,7 @@ serialised copy of the whole state exists on either side. Version 3::
     prefix (32) | header (JSON, ASCII) | tensor bytes ... | trailer (24)
 
     prefix  = magic "FTDCKPT3" | header length u64 | body length u64
-              | CRC-32 of the header u32 | 0 u32          (little endian)
+              | CRC-32 of the header u32 | flags u32      (little endian)
     trailer = bytes before the trailer u64 | word sums s1 u64, s2 u64
 
 The header is plain data (see :mod:`ftdist.checkpointing._codec`): the step,
@@ -26,7 +26,11 @@ version 2's CRC-32 of the whole stream, which ran at a third of the socket's
 speed and capped every heal.
 
 The process-group transport sends the same bytes as separate messages
-(prefix, header, each tensor, trailer).
+(prefix, header, tensors, trailer): each tensor of :data:`SMALL_TENSOR_BYTES`
+or more alone, smaller ones in batches (:func:`runs`), which its prefix says
+with :data:`FLAG_BATCHED`. A stream's flags are all zero, and a receiver
+refuses a flag it does not know, so an older peer refuses a newer layout
+instead of waiting for messages that never come.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from __future__ import annotations
 import json
 import struct
 import zlib
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -65,6 +69,44 @@ CHUNK_BYTES = 16 << 20
 # (3.6 vs 3.0 GB/s, 1 GiB on loopback, medians of 9); 1 MiB ones were slower.
 PIECE_BYTES = 4 << 20
 _HEADER_KEYS = {"format", "step", "tree", "tensors", "carried"}
+# Tensors smaller than this are received in batches, and the process-group
+# transport sends them so (see :func:`runs`).
+SMALL_TENSOR_BYTES = 256 << 10
+# At most this many tensors in a batch: Linux's IOV_MAX, so that a direct
+# read copies a batch in one system call.
+MOST_BATCHED = 1024
+# The prefix's flags. A process-group stream whose tensors travel in
+# :func:`runs`, one message each (part of the wire: both ends compute them).
+FLAG_BATCHED = 1
+
+
+def runs(sizes: Sequence[int]) -> list[int]:
+    """How tensors of ``sizes`` bytes, in stream order, are received: the
+    lengths of consecutive runs, each a tensor of :data:`SMALL_TENSOR_BYTES`
+    or more alone, or a batch of smaller ones closed once it holds
+    :data:`PIECE_BYTES` or :data:`MOST_BATCHED` tensors.
+
+    A batch is therefore under ``PIECE_BYTES + SMALL_TENSOR_BYTES`` bytes.
+    Part of the process-group wire (:data:`FLAG_BATCHED`): changing it
+    changes which messages a peer expects.
+    """
+    out: list[int] = []
+    count = batched = 0
+    for nbytes in sizes:
+        if nbytes >= SMALL_TENSOR_BYTES:
+            if count:
+                out.append(count)
+                count = batched = 0
+            out.append(1)
+            continue
+        count += 1
+        batched += nbytes
+        if batched >= PIECE_BYTES or count >= MOST_BATCHED:
+            out.append(count)
+            count = batched = 0
+    if count:
+        out.append(count)
+    return out
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -249,14 +291,23 @@ class Header:
     body_len: int
 
 
-def parse_prefix(raw: bytes, what: str) -> tuple[int, int, int]:
-    """Check a stream prefix: (header length, body length, header CRC-32).
+def with_flags(head: bytes, flags: int) -> bytes:
+    """A stream's head (prefix and header) with the prefix's ``flags`` set."""
+    magic, header_len, body_len, header_crc, _ = _PREFIX.unpack_from(head)
+    return _PREFIX.pack(magic, header_len, body_len, header_crc, flags) + head[PREFIX_BYTES:]
+
+
+def parse_prefix(raw: bytes, what: str, known: int = 0) -> tuple[int, int, int, int]:
+    """Check a stream prefix: (header length, body length, header CRC-32, flags).
+
+    Args:
+        known: the flags this receiver understands; any other is refused.
 
     Raises:
-        CheckpointError: not a version-3 stream, or a header longer than
-            :data:`MAX_HEADER_BYTES`.
+        CheckpointError: not a version-3 stream, a flag not in ``known``, or
+            a header longer than :data:`MAX_HEADER_BYTES`.
     """
-    magic, header_len, body_len, header_crc, reserved = _PREFIX.unpack(raw)
+    magic, header_len, body_len, header_crc, flags = _PREFIX.unpack(raw)
     if magic != MAGIC:
         if magic in _OLD_MAGICS:
             raise CheckpointError(
@@ -264,16 +315,19 @@ def parse_prefix(raw: bytes, what: str) -> tuple[int, int, int]:
                 "in every replica"
             )
         raise CheckpointError(f"{what} did not send an ftdist checkpoint stream")
-    if reserved != 0:
+    if flags & ~known:
         # The trailer's sums cover the tensor bytes only: every prefix field
         # is checked here, this one included.
-        raise CheckpointError(f"{what} sent a checkpoint prefix with reserved bits set")
+        raise CheckpointError(
+            f"{what} sent a checkpoint stream with flags {flags:#x}, of which this "
+            f"receiver knows {known:#x}: run the same ftdist version in every replica"
+        )
     if not 0 < header_len <= MAX_HEADER_BYTES:
         raise CheckpointError(
             f"{what} announced a checkpoint header of {header_len} bytes "
             f"(at most {MAX_HEADER_BYTES} are accepted)"
         )
-    return header_len, body_len, header_crc
+    return header_len, body_len, header_crc, flags
 
 
 def parse_header(raw: bytes, header_crc: int, body_len: int, what: str) -> Header:
@@ -358,7 +412,7 @@ class StreamReader:
         """
         prefix = bytearray(PREFIX_BYTES)
         self._fill(memoryview(prefix))
-        header_len, body_len, header_crc = parse_prefix(bytes(prefix), self.what)
+        header_len, body_len, header_crc, _ = parse_prefix(bytes(prefix), self.what)
         if size is not None and size != PREFIX_BYTES + header_len + body_len + TRAILER_BYTES:
             raise CheckpointError(
                 f"{self.what} sent {size} bytes but its stream prefix announces "

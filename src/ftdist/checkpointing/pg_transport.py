@@ -5,8 +5,14 @@ Process-group checkpoint transport
 Sends the state over the replica process group itself (which the Manager has
 just reconfigured to include the recovering replica), as the same stream the
 HTTP transport writes (:mod:`._wire`), one message per part: the 32-byte
-prefix, the plain-data header, each tensor's bytes, and the trailer. Every
+prefix, the plain-data header, the tensors' bytes, and the trailer. Every
 message is a tensor on the transport's device, so NCCL can carry it.
+
+Tensors of 256 KiB or more travel one per message; smaller ones in batches of
+up to 4 MiB or 1024 tensors (:func:`~._wire.runs`, flagged in the prefix),
+copied together on the sender and out again on the receiver. Each Gloo
+message cost about 0.6 ms between two processes here, so a state of 3000 16
+KiB tensors (50 MB) took 1.8 s one tensor per message.
 
 Tensors are received in place into the recovering replica's own tensors when
 it provides them (``state_dict=``) and they match (same path, dtype, shape,
@@ -38,10 +44,24 @@ T = TypeVar("T")
 _TAG_PREFIX, _TAG_HEADER, _TAG_TRAILER, _TAG_TENSOR = 1, 2, 3, 16
 # Receives posted ahead of the one being summed.
 _IN_FLIGHT = 3
+# Room for any batch (see _wire.runs).
+_STAGING_BYTES = _wire.PIECE_BYTES + _wire.SMALL_TENSOR_BYTES
 
 
 def _on(device: torch.device, data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+
+
+def _host(flat: torch.Tensor) -> torch.Tensor:
+    return flat if flat.device.type == "cpu" else flat.cpu()
+
+
+def _sum_run(digest: WordSum, wire: torch.Tensor, lengths: list[int]) -> None:
+    """Sum one message holding tensors of ``lengths`` bytes, each its own segment."""
+    if len(lengths) == 1:
+        _wire.sum_flat(digest, wire)
+    else:
+        digest.update_joined(_wire.host_view(_host(wire)), lengths)
 
 
 class PGTransport(CheckpointTransport[T]):
@@ -120,27 +140,40 @@ class PGTransport(CheckpointTransport[T]):
         self._check_usable(f"send to ranks {dst_ranks}")
         start = time.perf_counter()
         stream = _wire.plan(state_dict, step)[0]
-        prefix = _on(self._device, stream.head[: _wire.PREFIX_BYTES])
-        header = _on(self._device, stream.head[_wire.PREFIX_BYTES :])
-        # The sums are taken while each tensor goes to the first peer (no
+        head = _wire.with_flags(stream.head, _wire.FLAG_BATCHED)
+        prefix = _on(self._device, head[: _wire.PREFIX_BYTES])
+        header = _on(self._device, head[_wire.PREFIX_BYTES :])
+        flats = [_wire.flat_bytes(t) for t in stream.tensors]
+        runs = _wire.runs([flat.numel() for flat in flats])
+        # The sums are taken while each message goes to the first peer (no
         # separate pass over the state); later peers reuse the trailer.
-        digest, total = WordSum(), len(stream.head)
+        digest, total = WordSum(), len(head)
         trailer: torch.Tensor | None = None
         for dst in dst_ranks:
             what = f"send to rank {dst}"
             self._wait(self._pg.send([prefix], dst, _TAG_PREFIX), timeout, what)
             self._wait(self._pg.send([header], dst, _TAG_HEADER), timeout, what)
-            for i, t in enumerate(stream.tensors):
-                flat = _wire.flat_bytes(t)
-                if not flat.numel():
+            pos = 0
+            for length in runs:
+                run = flats[pos : pos + length]
+                tag = _TAG_TENSOR + pos
+                pos += length
+                lengths = [flat.numel() for flat in run]
+                if not sum(lengths):
                     continue
-                wire = flat.to(self._device)
-                work = self._pg.send([wire], dst, _TAG_TENSOR + i)
+                if length == 1:
+                    wire = run[0].to(self._device)
+                else:
+                    wire = torch.cat([flat.to(self._device) for flat in run])
+                work = self._pg.send([wire], dst, tag)
                 if trailer is None:
                     # Sum a host copy if there is one: a device tensor would
                     # be copied to the host again for it.
-                    _wire.sum_flat(digest, wire if wire.device.type == "cpu" else flat)
-                    total += flat.numel()
+                    if wire.device.type != "cpu" and all(f.device.type == "cpu" for f in run):
+                        digest.update_segments([_wire.host_view(flat) for flat in run])
+                    else:
+                        _sum_run(digest, wire, lengths)
+                    total += sum(lengths)
                 self._wait(work, timeout, what)
             if trailer is None:
                 trailer = _on(self._device, _wire.trailer_bytes(total, digest))
@@ -170,7 +203,9 @@ class PGTransport(CheckpointTransport[T]):
         start = time.perf_counter()
         what = f"rank {src_rank}"
         prefix = self._recv_bytes(_wire.PREFIX_BYTES, src_rank, _TAG_PREFIX, timeout)
-        header_len, body_len, header_crc = _wire.parse_prefix(prefix, what)
+        header_len, body_len, header_crc, flags = _wire.parse_prefix(
+            prefix, what, known=_wire.FLAG_BATCHED
+        )
         raw = self._recv_bytes(header_len, src_rank, _TAG_HEADER, timeout)
         header = _wire.parse_header(raw, header_crc, body_len, what)
         _wire.check_step(header, step, what)
@@ -182,31 +217,47 @@ class PGTransport(CheckpointTransport[T]):
         tracker = TransferProgress(self.progress) if self.progress is not None else None
         if tracker is not None:
             tracker.expect(body_len)
-        # Receives stay posted ahead: the sums of one tensor are taken while
+        sizes = [header.leaves[i].nbytes for i in header.carried]
+        # A sender from before batches sent one tensor per message.
+        lengths = iter(_wire.runs(sizes) if flags & _wire.FLAG_BATCHED else [1] * len(sizes))
+        # Receives stay posted ahead: the sums of one message are taken while
         # the next ones arrive, and Gloo's sender never waits for a post.
-        pending: collections.deque[tuple[int, torch.Tensor, Any]] = collections.deque()
+        pending: collections.deque[_Posted] = collections.deque()
+        spare: list[torch.Tensor] = []  # staging buffers of finished batches
 
         with Prefaulter() as prefault:
 
             def finish() -> None:
                 nonlocal total
-                index, flat, work = pending.popleft()
-                self._wait(work, timeout, f"receive from {what}")
-                _wire.sum_flat(digest, flat)
-                summed.append(index)
-                total += flat.numel()
-                prefault.advance(flat.numel())
+                posted = pending.popleft()
+                self._wait(posted.work, timeout, f"receive from {what}")
+                nbytes = posted.unstage()
+                _sum_run(digest, posted.wire, posted.lengths)
+                if posted.staging:
+                    spare.append(posted.buffer)
+                summed.extend(posted.indices)
+                total += nbytes
+                prefault.advance(nbytes)
                 if tracker is not None:
-                    tracker.add(flat.numel())
+                    tracker.add(nbytes)
 
-            for pos, index, t in _receive.staged_leaves(
+            run: list[tuple[int, int, torch.Tensor]] = []
+            want = 0
+            for item in _receive.staged_leaves(
                 header, targets, self._device, prefault, self.receive_reserve
             ):
-                tensors[index] = t
-                flat = _wire.flat_bytes(t)
-                if not flat.numel():
+                tensors[item[1]] = item[2]
+                if not run:
+                    want = next(lengths)
+                run.append(item)
+                if len(run) < want:
                     continue
-                pending.append((index, flat, self._pg.recv([flat], src_rank, _TAG_TENSOR + pos)))
+                posted = _Posted(run, spare, self._device)
+                run = []
+                if not posted.nbytes:
+                    continue
+                posted.work = self._pg.recv([posted.wire], src_rank, _TAG_TENSOR + posted.pos)
+                pending.append(posted)
                 if len(pending) > _IN_FLIGHT:
                     finish()
             while pending:
@@ -219,3 +270,50 @@ class PGTransport(CheckpointTransport[T]):
             total, seconds, "process group", tensors, sums
         )
         return cast(T, _receive.assemble(header, tensors))
+
+
+class _Posted:
+    """One message being received: one tensor straight into its memory, or a
+    batch of small ones into a staging buffer, copied out once it is in."""
+
+    def __init__(
+        self,
+        run: list[tuple[int, int, torch.Tensor]],
+        spare: list[torch.Tensor],
+        device: torch.device,
+    ) -> None:
+        self.pos = run[0][0]
+        self.indices = [index for _, index, _ in run]
+        self.flats = [_wire.flat_bytes(t) for _, _, t in run]
+        self.lengths = [flat.numel() for flat in self.flats]
+        self.nbytes = sum(self.lengths)
+        self.staging = len(run) > 1
+        self.work: Any = None
+        if not self.staging:
+            self.wire = self.flats[0]
+        elif self.nbytes:
+            self.buffer = (
+                spare.pop()
+                if spare
+                else torch.empty(_STAGING_BYTES, dtype=torch.uint8, device=device)
+            )
+            # Received into exactly the message's size (NCCL requires it).
+            self.wire = self.buffer[: self.nbytes]
+
+    def unstage(self) -> int:
+        """Copy a batch out of its staging buffer into its tensors; the byte count."""
+        if self.staging:
+            offset = 0
+            if self.wire.device.type == "cpu":
+                # memoryview copies: a torch copy_ costs microseconds per call.
+                staged = _wire.host_view(self.wire)
+                for flat, n in zip(self.flats, self.lengths, strict=True):
+                    if n:
+                        _wire.host_view(flat)[:] = staged[offset : offset + n]
+                    offset += n
+            else:
+                for flat, n in zip(self.flats, self.lengths, strict=True):
+                    if n:
+                        flat.copy_(self.wire[offset : offset + n])
+                    offset += n
+        return self.nbytes
