@@ -113,6 +113,10 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """``t``'s bytes as a 1-D uint8 tensor: a view when ``t`` is dense, else a row-major copy."""
     if t.numel() == 0:
         return torch.empty(0, dtype=torch.uint8, device=t.device)
+    if t.is_contiguous():
+        # The common case, without the stride checks (a state of thousands
+        # of small tensors takes this per tensor on both ends).
+        return t.view(-1).view(torch.uint8)
     if dense_stride(tuple(t.shape), tuple(t.stride())):
         flat = t.as_strided((t.numel(),), (1,), t.storage_offset())
     else:

@@ -143,8 +143,8 @@ class PGTransport(CheckpointTransport[T]):
         head = _wire.with_flags(stream.head, _wire.FLAG_BATCHED)
         prefix = _on(self._device, head[: _wire.PREFIX_BYTES])
         header = _on(self._device, head[_wire.PREFIX_BYTES :])
-        flats = [_wire.flat_bytes(t) for t in stream.tensors]
-        runs = _wire.runs([flat.numel() for flat in flats])
+        flats: list[torch.Tensor] | None = None
+        runs: list[int] = []
         # The sums are taken while each message goes to the first peer (no
         # separate pass over the state); later peers reuse the trailer.
         digest, total = WordSum(), len(head)
@@ -153,6 +153,10 @@ class PGTransport(CheckpointTransport[T]):
             what = f"send to rank {dst}"
             self._wait(self._pg.send([prefix], dst, _TAG_PREFIX), timeout, what)
             self._wait(self._pg.send([header], dst, _TAG_HEADER), timeout, what)
+            if flats is None:
+                # Taken while the peer parses the header.
+                flats = [_wire.flat_bytes(t) for t in stream.tensors]
+                runs = _wire.runs([flat.numel() for flat in flats])
             pos = 0
             for length in runs:
                 run = flats[pos : pos + length]

@@ -70,11 +70,13 @@ def sums_key(t: object) -> tuple[int, int] | None:
     """Where :attr:`TransferStats.tensor_sums` files a tensor: its (address,
     byte count) when it is a plain, contiguous, non-empty host tensor, whose
     bytes in memory are its values in row-major order; else None."""
-    if not isinstance(t, torch.Tensor) or type(t) not in (torch.Tensor, torch.nn.Parameter):
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
         return None
-    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+    # is_cpu and nbytes, not device.type and numel() * element_size(): this
+    # runs once per received tensor, thousands in a deep model's state.
+    if not t.is_cpu or not t.is_contiguous() or t.is_conj() or t.is_neg():
         return None
-    nbytes = t.numel() * t.element_size()
+    nbytes = t.nbytes
     return (t.data_ptr(), nbytes) if nbytes else None
 
 
