@@ -22,7 +22,16 @@ State = dict[str, torch.Tensor]
 
 def _state() -> dict[str, torch.Tensor]:
     w = torch.randn(1024, 513, device="cuda")
-    return {"w": w, "w_t": w.t(), "b": torch.arange(7, device="cuda"), "cpu": torch.ones(3)}
+    # Small tensors, on the GPU and the host, empty ones among them: one
+    # batched PGTransport message, joined and copied out on the GPU.
+    small = {f"s{i}": torch.randn(i % 9, device="cuda" if i % 3 else "cpu") for i in range(200)}
+    return {
+        "w": w,
+        "w_t": w.t(),
+        "b": torch.arange(7, device="cuda"),
+        "cpu": torch.ones(3),
+        **small,
+    }
 
 
 def _check(state: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
