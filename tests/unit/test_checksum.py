@@ -276,3 +276,18 @@ def test_a_changed_word_changes_its_recorded_segment_only() -> None:
             d.end_segment()
     assert a.segments is not None and b.segments is not None
     assert [x == y for x, y in zip(a.segments, b.segments, strict=True)] == [True, False, True]
+
+
+@SETTINGS
+@given(seg=st.one_of(st.binary(max_size=200), st.integers(8180, 8200).map(lambda n: bytes(8 * n))))
+def test_a_segments_own_sums_are_a_fresh_digests_total(seg: bytes) -> None:
+    # own_sums is the lean path a fingerprint takes per tensor: the same
+    # sums as a fresh WordSum, padding and the large-segment path included.
+    from ftdist.checkpointing._checksum import own_sums
+
+    seg = bytes(b ^ (i * 37 & 0xFF) for i, b in enumerate(seg))  # not all zeros
+    digest = WordSum()
+    digest.update(seg)
+    got = own_sums(seg)
+    assert got == digest.total()
+    assert (got.s1, got.s2) == _by_definition([seg]) and got.words == -(-len(seg) // 8)

@@ -166,7 +166,7 @@ def fingerprint(state: Any) -> dict[str, int]:
     for name, leaf in named:
         digest = digests.setdefault(name, WordSum())
         if isinstance(leaf, torch.Tensor):
-            _head(digest, leaf.detach())
+            _head(digest, leaf)  # dtype and shape: no detached view needed
             digest.add(next(data))
         else:
             digest.update(repr(leaf).encode())
