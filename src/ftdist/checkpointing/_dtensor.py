@@ -38,10 +38,26 @@ _MAX_RANKS = 1 << 20
 
 def is_dtensor(obj: Any) -> bool:
     """Whether ``obj`` is a DTensor (without importing the DTensor machinery)."""
-    return any(
-        c.__name__ == "DTensor" and c.__module__.startswith("torch.distributed.tensor")
-        for c in type(obj).__mro__
-    )
+    kind = type(obj)
+    # Plain tensors without the MRO walk: a state holds thousands of them,
+    # and the walk took a few microseconds each.
+    if kind is torch.Tensor or kind is torch.nn.Parameter:
+        return False
+    found = _DTENSOR_TYPES.get(kind)
+    if found is None:
+        found = any(
+            c.__name__ == "DTensor" and c.__module__.startswith("torch.distributed.tensor")
+            for c in kind.__mro__
+        )
+        if len(_DTENSOR_TYPES) < _MOST_TYPES:
+            _DTENSOR_TYPES[kind] = found
+    return found
+
+
+# Tensor types seen, and whether each is a DTensor; bounded, so that types
+# made on the fly are not all kept alive.
+_DTENSOR_TYPES: dict[type, bool] = {}
+_MOST_TYPES = 256
 
 
 def local_tensor(dt: Any) -> torch.Tensor:
