@@ -291,3 +291,28 @@ def test_a_segments_own_sums_are_a_fresh_digests_total(seg: bytes) -> None:
     got = own_sums(seg)
     assert got == digest.total()
     assert (got.s1, got.s2) == _by_definition([seg]) and got.words == -(-len(seg) // 8)
+
+
+@SETTINGS
+@given(
+    segs=mixed_segments,
+    join_below=st.sampled_from([0, 9, 64, 1 << 20]),
+    run_bytes=st.sampled_from([1, 24, 200, 4 << 20]),
+)
+def test_a_digest_of_joined_runs_equals_feeding_one_by_one(
+    segs: list[bytes], join_below: int, run_bytes: int
+) -> None:
+    # digest_of (a direct read's source) pads and joins small segments into
+    # runs: any threshold and run size must give the digest of the segments.
+    from ftdist.checkpointing import _checksum
+
+    one_by_one = WordSum()
+    for seg in segs:
+        one_by_one.update(seg)
+        one_by_one.end_segment()
+    with (
+        mock.patch.object(_checksum, "_DIGEST_JOIN_BELOW", join_below),
+        mock.patch.object(_checksum, "_RUN_BYTES", run_bytes),
+    ):
+        joined = _checksum.digest_of(segs)
+    assert joined.digest() == one_by_one.digest() == _by_definition(segs)

@@ -52,9 +52,9 @@ from typing import Any
 
 import torch
 
-from ftdist.checkpointing._checksum import WordSum
+from ftdist.checkpointing._checksum import WordSum, digest_of
 from ftdist.checkpointing._http_server import peer_credentials
-from ftdist.checkpointing._wire import PIECE_BYTES, StreamReader, host_view, tensor_sums
+from ftdist.checkpointing._wire import PIECE_BYTES, StreamReader, host_view
 from ftdist.errors import CheckpointError
 
 logger = logging.getLogger("ftdist.checkpointing.http")
@@ -198,10 +198,7 @@ def parse_manifest(
 
 def source_digest(flats: list[torch.Tensor]) -> WordSum:
     """The word sums a stream of these tensors' bytes (1-D uint8, CPU) would end with."""
-    digest = WordSum()
-    for run in tensor_sums(flats):  # the sums compose (SegmentSum)
-        digest.add(run)
-    return digest
+    return digest_of(host_view(flat) for flat in flats)
 
 
 def same_user(sock: socket.socket) -> bool:
