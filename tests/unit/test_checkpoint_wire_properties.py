@@ -203,14 +203,14 @@ def test_headers_with_valid_crcs_saying_anything_fail_cleanly(
         st.one_of(
             st.integers(0, 64),
             st.integers(0, _wire.SMALL_TENSOR_BYTES - 1),
-            st.integers(_wire.SMALL_TENSOR_BYTES, 3 * _wire.PIECE_BYTES),
+            st.integers(_wire.SMALL_TENSOR_BYTES, 3 * _wire.BATCH_BYTES),
         ),
         max_size=3000,
     )
 )
 def test_runs_batch_small_tensors_and_leave_large_ones_alone(sizes: list[int]) -> None:
     # The process-group wire: both ends must cut the same runs, and each run
-    # must fit a staging buffer of PIECE_BYTES + SMALL_TENSOR_BYTES.
+    # must fit a staging buffer of BATCH_BYTES + SMALL_TENSOR_BYTES.
     lengths = _wire.runs(sizes)
     assert sum(lengths) == len(sizes) and all(n >= 1 for n in lengths)
     pos = 0
@@ -222,8 +222,8 @@ def test_runs_batch_small_tensors_and_leave_large_ones_alone(sizes: list[int]) -
             continue
         assert all(size < _wire.SMALL_TENSOR_BYTES for size in run)
         assert n <= _wire.MOST_BATCHED
-        assert sum(run) < _wire.PIECE_BYTES + _wire.SMALL_TENSOR_BYTES
-        assert sum(run[:-1]) < _wire.PIECE_BYTES and n - 1 < _wire.MOST_BATCHED
+        assert sum(run) < _wire.BATCH_BYTES + _wire.SMALL_TENSOR_BYTES
+        assert sum(run[:-1]) < _wire.BATCH_BYTES and n - 1 < _wire.MOST_BATCHED
         # A batch ends early only at a large tensor or at the end.
-        full = sum(run) >= _wire.PIECE_BYTES or n == _wire.MOST_BATCHED
+        full = sum(run) >= _wire.BATCH_BYTES or n == _wire.MOST_BATCHED
         assert full or pos == len(sizes) or sizes[pos] >= _wire.SMALL_TENSOR_BYTES, k

@@ -10,8 +10,8 @@ direct read of the source's memory (:class:`BodySource`), and the state is
 rebuilt from the header's tree (:func:`assemble`).
 
 Tensors below :data:`~._wire.SMALL_TENSOR_BYTES` are received in batches of up
-to :data:`~._wire.PIECE_BYTES` (:func:`~._wire.runs`): one read (or one ``process_vm_readv``) per batch
-instead of one per tensor. A state of 3000 16 KiB tensors (50 MB) took 0.6-0.9
+to :data:`~._wire.BATCH_BYTES` (:func:`~._wire.runs`): one read (or one
+``process_vm_readv``) per batch instead of one per tensor. A state of 3000 16 KiB tensors (50 MB) took 0.6-0.9
 s to receive one at a time between two processes here, against 27 ms for the
 same bytes in 12 tensors: the per-tensor layers (the HTTP response's reads,
 a system call, two hand-offs to the summing thread) cost more than the bytes.

@@ -69,11 +69,14 @@ CHUNK_BYTES = 16 << 20
 # (3.6 vs 3.0 GB/s, 1 GiB on loopback, medians of 9); 1 MiB ones were slower.
 PIECE_BYTES = 4 << 20
 _HEADER_KEYS = {"format", "step", "tree", "tensors", "carried"}
-# Tensors smaller than this are received in batches, and the process-group
-# transport sends them so (see :func:`runs`).
+# The batches of :func:`runs`. Tensors smaller than SMALL_TENSOR_BYTES are
+# received in batches closed at BATCH_BYTES or MOST_BATCHED tensors (Linux's
+# IOV_MAX, so that a direct read copies a batch in one system call). The
+# process-group transport sends them so, and its peer computes the same runs
+# from the header: these are part of that wire (FLAG_BATCHED), apart from the
+# tuning of PIECE_BYTES, and change only with a new flag.
 SMALL_TENSOR_BYTES = 256 << 10
-# At most this many tensors in a batch: Linux's IOV_MAX, so that a direct
-# read copies a batch in one system call.
+BATCH_BYTES = 4 << 20
 MOST_BATCHED = 1024
 # The prefix's flags. A process-group stream whose tensors travel in
 # :func:`runs`, one message each (part of the wire: both ends compute them).
@@ -84,9 +87,9 @@ def runs(sizes: Sequence[int]) -> list[int]:
     """How tensors of ``sizes`` bytes, in stream order, are received: the
     lengths of consecutive runs, each a tensor of :data:`SMALL_TENSOR_BYTES`
     or more alone, or a batch of smaller ones closed once it holds
-    :data:`PIECE_BYTES` or :data:`MOST_BATCHED` tensors.
+    :data:`BATCH_BYTES` or :data:`MOST_BATCHED` tensors.
 
-    A batch is therefore under ``PIECE_BYTES + SMALL_TENSOR_BYTES`` bytes.
+    A batch is therefore under ``BATCH_BYTES + SMALL_TENSOR_BYTES`` bytes.
     Part of the process-group wire (:data:`FLAG_BATCHED`): changing it
     changes which messages a peer expects.
     """
@@ -101,7 +104,7 @@ def runs(sizes: Sequence[int]) -> list[int]:
             continue
         count += 1
         batched += nbytes
-        if batched >= PIECE_BYTES or count >= MOST_BATCHED:
+        if batched >= BATCH_BYTES or count >= MOST_BATCHED:
             out.append(count)
             count = batched = 0
     if count:

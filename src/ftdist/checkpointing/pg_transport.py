@@ -45,7 +45,7 @@ _TAG_PREFIX, _TAG_HEADER, _TAG_TRAILER, _TAG_TENSOR = 1, 2, 3, 16
 # Receives posted ahead of the one being summed.
 _IN_FLIGHT = 3
 # Room for any batch (see _wire.runs).
-_STAGING_BYTES = _wire.PIECE_BYTES + _wire.SMALL_TENSOR_BYTES
+_STAGING_BYTES = _wire.BATCH_BYTES + _wire.SMALL_TENSOR_BYTES
 
 
 def _on(device: torch.device, data: bytes) -> torch.Tensor:
