@@ -227,3 +227,66 @@ def test_runs_batch_small_tensors_and_leave_large_ones_alone(sizes: list[int]) -
         # A batch ends early only at a large tensor or at the end.
         full = sum(run) >= _wire.BATCH_BYTES or n == _wire.MOST_BATCHED
         assert full or pos == len(sizes) or sizes[pos] >= _wire.SMALL_TENSOR_BYTES, k
+
+
+_SUM_SHAPES = st.sampled_from(
+    [(0,), (3,), (5, 7), (128,), (2048,), (1024, 2), (4096,), (3, 2048), (70000,), (300,)]
+)
+
+
+@SETTINGS
+@given(
+    shapes=st.lists(
+        st.tuples(_SUM_SHAPES, st.booleans(), st.sampled_from(["f32", "f32", "f16", "i8"])),
+        min_size=2,
+        max_size=16,
+    ),
+    piece=st.sampled_from([1, 3 * 8192, 4 << 20]),
+    stack_most=st.sampled_from([0, 8192, 1 << 20]),
+    join_below=st.sampled_from([0, 64, 64 << 10]),
+)
+def test_tensor_sums_equal_each_tensors_own_whatever_the_grouping(
+    shapes: list[tuple[tuple[int, ...], bool, str]], piece: int, stack_most: int, join_below: int
+) -> None:
+    # tensor_sums groups plain host tensors by size, wherever they stand:
+    # small ones joined, same-size ones side by side, the rest one by one.
+    # Each tensor's sums must be its own, in the list's order.
+    from unittest import mock
+
+    from ftdist.checkpointing._checksum import WordSum
+
+    dtypes = {"f32": torch.float32, "f16": torch.float16, "i8": torch.int8}
+    g = torch.Generator().manual_seed(len(shapes))
+    tensors = []
+    for shape, transposed, dtype in shapes:
+        t = (torch.randn(shape, generator=g) * 50).to(dtypes[dtype])
+        tensors.append(t.t() if transposed and t.dim() == 2 else t)
+    want = []
+    for t in tensors:
+        digest = WordSum()
+        _wire.sum_tensor(digest, t)
+        want.append(digest.total())
+    with (
+        mock.patch.object(_wire, "PIECE_BYTES", piece),
+        mock.patch.object(_wire, "STACK_MOST", stack_most),
+        mock.patch.object(_wire, "JOIN_BELOW", join_below),
+    ):
+        assert _wire.tensor_sums(tensors) == want
+
+
+def test_tensor_sums_of_alternating_layers_are_each_tensors_own() -> None:
+    # A model's order: weights of one size side by side, biases joined, a
+    # large tensor alone, every list position kept.
+    from ftdist.checkpointing._checksum import WordSum
+
+    g = torch.Generator().manual_seed(3)
+    tensors = []
+    for _ in range(40):
+        tensors += [torch.randn(128, 128, generator=g), torch.randn(128, generator=g)]
+    tensors += [torch.randn(400_000, generator=g), torch.randn(128, 128, generator=g)]
+    want = []
+    for t in tensors:
+        digest = WordSum()
+        _wire.sum_tensor(digest, t)
+        want.append(digest.total())
+    assert _wire.tensor_sums(tensors) == want

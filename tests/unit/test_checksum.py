@@ -316,3 +316,12 @@ def test_a_digest_of_joined_runs_equals_feeding_one_by_one(
     ):
         joined = _checksum.digest_of(segs)
     assert joined.digest() == one_by_one.digest() == _by_definition(segs)
+
+
+def test_same_size_sums_refuse_segments_that_are_not_whole_rows() -> None:
+    from ftdist.checkpointing._checksum import STACK_UNIT, same_size_sums
+
+    with pytest.raises(ValueError, match="segments of 8 in 16 bytes"):
+        same_size_sums(bytes(16), 8)
+    with pytest.raises(ValueError, match=f"segments of {STACK_UNIT} in {STACK_UNIT + 8} bytes"):
+        same_size_sums(bytes(STACK_UNIT + 8), STACK_UNIT)
