@@ -191,8 +191,8 @@ def tensor_sums(tensors: list[torch.Tensor]) -> list[SegmentSum]:
         if len(group) == 1:
             out[group[0][0]] = own_sums(group[0][1])
             return
-        runs = same_size_sums(b"".join(view for _, view in group), size)
-        for (i, _), run in zip(group, runs, strict=True):
+        sums = same_size_sums(b"".join(view for _, view in group), size)
+        for (i, _), run in zip(group, sums, strict=True):
             out[i] = run
 
     for i, t in enumerate(tensors):
