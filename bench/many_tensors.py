@@ -116,9 +116,9 @@ def _pg_rank(stack: str, rank: int, port: int, tensors: int, total: int, queue: 
     if stack == "torchft":
         from torchft.checkpointing.pg_transport import PGTransport
     else:
-        from ftdist.checkpointing import PGTransport  # type: ignore[assignment]
+        from ftdist.checkpointing import PGTransport
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=_TIMEOUT)
-    pg = dist.ProcessGroupGloo(store, rank, 2, _TIMEOUT)
+    pg: Any = dist.ProcessGroupGloo(store, rank, 2, _TIMEOUT)
     cpu = torch.device("cpu")
     if rank == 0:
         state = _state(tensors, total)
@@ -168,14 +168,15 @@ def main() -> int:
     args = parser.parse_args()
     total = int(args.total_mb * 1e6)
     stacks = [(name, "ftdist", env) for name, env in _VARIANTS.items()]
-    if importlib.util.find_spec("torchft") is not None:
+    have_torchft = importlib.util.find_spec("torchft") is not None
+    if have_torchft:
         stacks.append(("torchft", "torchft", {}))
     print(
         f"{args.tensors} float32 tensors of {total // args.tensors} bytes, "
         f"{total / 1e6:.0f} MB; two fresh processes per run; "
         f"load average {os.getloadavg()[0]:.2f}"
     )
-    pg_stacks = ["ftdist"] + (["torchft"] if len(stacks) > len(_VARIANTS) else [])
+    pg_stacks = ["ftdist", "torchft"] if have_torchft else ["ftdist"]
     results: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in stacks}
     results.update({f"{stack} (process group)": [] for stack in pg_stacks})
     for _ in range(args.reps):
@@ -193,7 +194,7 @@ def main() -> int:
             f"(runs: {', '.join(f'{r[1] * 1e3:.0f}' for r in runs)})   "
             f"{total / fetch / 1e9:.2f} GB/s"
         )
-    if "torchft" in medians:
+    if have_torchft:
         for name in _VARIANTS:
             print(
                 f"  {name}: {medians[name] / medians['torchft']:.2f}x torchft's first fetch "

@@ -235,15 +235,13 @@ class _Encoder:
     def tensor(self, obj: torch.Tensor, path: tuple[Any, ...]) -> list[Any]:
         kind = type(obj)
         extra: dict[str, Any] = {}
-        # Plain tensors first: the DTensor check walks the type's MRO, and a
-        # state holds thousands of plain ones.
-        if kind is torch.Tensor or kind is torch.nn.Parameter:
-            name, t = ("tensor" if kind is torch.Tensor else "parameter"), obj
-        elif _dtensor.is_dtensor(obj):
+        if _dtensor.is_dtensor(obj):
             local = _dtensor.local_tensor(obj)
             extra["spec"] = _dtensor.encode_spec(obj, where(path))
             extra["param"] = isinstance(obj, torch.nn.Parameter)
             name, t = "dtensor", local
+        elif kind is torch.Tensor or kind is torch.nn.Parameter:
+            name, t = ("tensor" if kind is torch.Tensor else "parameter"), obj
         else:
             raise TypeError(
                 f"cannot send {where(path)}: a {kind.__qualname__} (a tensor subclass other "

@@ -199,7 +199,7 @@ def tensor_sums(tensors: list[torch.Tensor]) -> list[SegmentSum]:
         t = t.detach()
         if t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg():
             # Plain host memory, the common case, with the fewest calls.
-            view = host_view(t.view(-1).view(torch.uint8))
+            view = host_view(flat_bytes(t))
             size = len(view)
             if size < JOIN_BELOW:
                 small.append((i, view))
