@@ -21,8 +21,12 @@ over torchft's (``--against none`` skips torchft).
 
 **Clients.** ``--client native`` (the default where torchft is installed) is
 torchft's own ``LighthouseClient`` (Rust, one per replica group, each called
-from its own thread, as torchft's managers call it); ``--client aio`` is N
-``grpc.aio`` channels in one asyncio loop. The native clients run in
+from its own thread, as torchft's managers call it); ``--client ftdist`` is
+ftdist's ``LighthouseClient`` (Python, the client ftdist's manager servers
+use), threaded the same way; ``--client own`` gives each lighthouse its own
+project's client (ftdist's against ftdist's lighthouse, torchft's native one
+against torchft's), so the ratio is of the two whole stacks a user gets;
+``--client aio`` is N ``grpc.aio`` channels in one asyncio loop. The native clients run in
 ceil(N / 128) processes (``--client-procs K`` picks K; 1 keeps them all in
 this one). Real managers are separate processes; in one process the N
 threads that turn N-member quorums into Python objects all queue for one
@@ -152,6 +156,17 @@ async def _run_size(
         await asyncio.gather(*(r.channel.close() for r in replicas))
 
 
+def _new_client(kind: str, address: str, deadline: timedelta) -> Any:
+    """A threaded client of ``kind``: "torchft" (the native one) or "ftdist"."""
+    if kind == "ftdist":
+        from ftdist.lighthouse.client import LighthouseClient as FtdistClient
+
+        return FtdistClient(f"http://{address}", deadline)
+    from torchft._torchft import LighthouseClient
+
+    return LighthouseClient(f"http://{address}", deadline)
+
+
 def _native_round(client: Any, replica_id: str, step: int, deadline: timedelta) -> int:
     """One group's round with torchft's native client: a heartbeat, then a quorum; its size."""
     client.heartbeat(replica_id, timeout=deadline)
@@ -167,13 +182,11 @@ def _native_round(client: Any, replica_id: str, step: int, deadline: timedelta) 
 
 
 def _run_size_native(
-    address: str, n: int, rounds: int, timeout: float
+    address: str, n: int, rounds: int, timeout: float, kind: str
 ) -> tuple[float, list[float]]:
-    """The rounds with torchft's native clients, one thread per replica group."""
-    from torchft._torchft import LighthouseClient
-
+    """The rounds with threaded clients of ``kind``, one thread per replica group."""
     deadline = timedelta(seconds=timeout)
-    clients = [LighthouseClient(f"http://{address}", deadline) for _ in range(n)]
+    clients = [_new_client(kind, address, deadline) for _ in range(n)]
     go = threading.Barrier(n + 1, timeout=timeout)
     done = threading.Barrier(n + 1, timeout=timeout)
     ends = [0.0] * n
@@ -226,16 +239,15 @@ def _member_process(
     done: Any,
     reports: Any,
     expected: int,
+    kind: str,
 ) -> None:
     """One client process: ``count`` groups from ``first``, reporting each round's last end.
 
-    Every quorum must hold ``expected`` members.
+    Every quorum must hold ``expected`` members; the clients are of ``kind``.
     """
-    from torchft._torchft import LighthouseClient
-
     deadline = timedelta(seconds=timeout)
     ids = [f"replica_{i:04d}" for i in range(first, first + count)]
-    clients = [LighthouseClient(f"http://{address}", deadline) for _ in ids]
+    clients = [_new_client(kind, address, deadline) for _ in ids]
     start = threading.Barrier(count + 1, timeout=timeout)
     end = threading.Barrier(count + 1, timeout=timeout)
     ends = [0.0] * count
@@ -268,9 +280,9 @@ def _member_process(
 
 
 def _run_size_procs(
-    address: str, n: int, rounds: int, timeout: float, procs: int
+    address: str, n: int, rounds: int, timeout: float, procs: int, kind: str
 ) -> tuple[float, list[float]]:
-    """The rounds with torchft's native clients in ``procs`` processes, a thread per group."""
+    """The rounds with clients of ``kind`` in ``procs`` processes, a thread per group."""
     ctx = multiprocessing.get_context("spawn")
     procs = max(1, min(procs, n))
     go = ctx.Barrier(procs + 1, timeout=timeout)
@@ -282,7 +294,7 @@ def _run_size_procs(
     for share in shares:
         child = ctx.Process(
             target=_member_process,
-            args=(address, first, share, rounds, timeout, go, done, queue, n),
+            args=(address, first, share, rounds, timeout, go, done, queue, n, kind),
             daemon=True,
         )
         child.start()
@@ -358,9 +370,10 @@ def main() -> int:
     )
     parser.add_argument(
         "--client",
-        choices=["native", "aio"],
+        choices=["native", "ftdist", "own", "aio"],
         default="native" if _has_native_client() else "aio",
-        help="torchft's native LighthouseClient per group, or grpc.aio channels "
+        help="torchft's native LighthouseClient per group, ftdist's LighthouseClient, "
+        "each lighthouse's own project's client, or grpc.aio channels "
         "[default: native where torchft is installed]",
     )
     parser.add_argument(
@@ -379,8 +392,10 @@ def main() -> int:
         "token check's cost) [default: off]; needs --client aio",
     )
     args = parser.parse_args()
-    if args.token != "off" and args.client == "native":
-        parser.error("--token needs --client aio (torchft's native client sends no token)")
+    if args.token != "off" and args.client != "aio":
+        parser.error("--token needs --client aio (the threaded clients send no bench token)")
+    if args.client in ("native", "own") and not _has_native_client():
+        parser.error(f"--client {args.client}: torchft's native client is not installed")
     if args.against == "torchft" and _torchft_server_cmd() is None:
         parser.error("--against torchft: torchft_lighthouse is not installed")
 
@@ -389,7 +404,8 @@ def main() -> int:
         if args.client_procs
         else f" in one process per {_GROUPS_PER_PROCESS} groups"
     )
-    print(f"client: {args.client}{spread if args.client == 'native' else ''}; {_load()}")
+    threaded = args.client in ("native", "ftdist", "own")
+    print(f"client: {args.client}{spread if threaded else ''}; {_load()}")
     print(
         f"{'N':>5} {'server':>7} {'token':>5} {'first quorum':>13} {'p50 round':>10} "
         f"{'p99 round':>10} {'rounds':>7}  {'mean':>9}"
@@ -429,13 +445,21 @@ def main() -> int:
             ratio = statistics.fmean(token_p50s[True]) / statistics.fmean(token_p50s[False])
             print(f"{n:>5} token check: mean p50 with / without = {ratio:.3f}", flush=True)
     if ratios:
-        print("\nsummary (ftdist / torchft steady p50, same run, same client):")
+        same = "each lighthouse with its own client" if args.client == "own" else "same client"
+        print(f"\nsummary (ftdist / torchft steady p50, same run, {same}):")
         print("  " + "  ".join(f"N={n}: {r:.2f}x" for n, r in ratios.items()))
         worst = max(ratios.values())
         print(
             f"  {'PASS' if worst <= 1.0 else 'MISS'}  at most 1.0x at every N: worst {worst:.2f}x"
         )
     return 0
+
+
+def _client_kind(client: str, server: str) -> str | None:
+    """The threaded client a run of ``server`` uses under ``--client client`` (None: aio)."""
+    if client == "own":
+        return "ftdist" if server == "ftdist" else "torchft"
+    return {"native": "torchft", "ftdist": "ftdist"}.get(client)
 
 
 def _load() -> str:
@@ -466,10 +490,11 @@ def _measure(
         _wait_ready(address, proc, deadline_s=30.0)
         run: Callable[[], tuple[float, list[float]]]
         procs = args.client_procs or -(-n // _GROUPS_PER_PROCESS)
-        if args.client == "native" and procs > 1:
-            run = lambda: _run_size_procs(address, n, rounds, args.timeout, procs)  # noqa: E731
-        elif args.client == "native":
-            run = lambda: _run_size_native(address, n, rounds, args.timeout)  # noqa: E731
+        kind = _client_kind(args.client, name)
+        if kind is not None and procs > 1:
+            run = lambda: _run_size_procs(address, n, rounds, args.timeout, procs, kind)  # noqa: E731
+        elif kind is not None:
+            run = lambda: _run_size_native(address, n, rounds, args.timeout, kind)  # noqa: E731
         else:
             sent = _BENCH_TOKEN if send else None
             run = lambda: asyncio.run(_run_size(address, n, rounds, args.timeout, sent))  # noqa: E731

@@ -187,6 +187,9 @@ def test_join_timeout_waits_for_heartbeating_straggler_then_proceeds(lh: Lightho
     client = lh.client(server)
     beats = Heartbeater(client, ["straggler"])
     try:
+        # Heard before a and b ask: otherwise the quorum forms at once, no
+        # one else being known to wait for.
+        _wait_heartbeating(server.dashboard_address(), 1)
         with pool(2) as executor:
             futures = [executor.submit(client.quorum, rid, TIMEOUT) for rid in ("a", "b")]
             wait_until(

@@ -9,7 +9,11 @@ from typing import Any
 import pytest
 
 from ftdist._rpc.common import grpc_target
-from ftdist.lighthouse.config import CLI_DEFAULTS, resolve_lighthouse_config
+from ftdist.lighthouse.config import (
+    CLI_DEFAULTS,
+    lighthouse_rpc_client,
+    resolve_lighthouse_config,
+)
 
 
 def test_explicit_beats_environment_beats_default() -> None:
@@ -124,3 +128,12 @@ def test_rpc_server_choice() -> None:
     assert explicit.rpc_server == "h2"
     with pytest.raises(ValueError, match=r"rpc_server \('tonic'\).*FTDIST_LIGHTHOUSE_RPC_SERVER"):
         resolve_lighthouse_config(environ={"FTDIST_LIGHTHOUSE_RPC_SERVER": "tonic"}, min_replicas=1)
+
+
+def test_rpc_client_choice() -> None:
+    assert lighthouse_rpc_client(environ={}) == "h2"
+    env = {"FTDIST_LIGHTHOUSE_RPC_CLIENT": " GRPCIO "}
+    assert lighthouse_rpc_client(environ=env) == "grpcio"
+    assert lighthouse_rpc_client("h2", environ=env) == "h2"
+    with pytest.raises(ValueError, match=r"rpc_client \('tonic'\).*FTDIST_LIGHTHOUSE_RPC_CLIENT"):
+        lighthouse_rpc_client(environ={"FTDIST_LIGHTHOUSE_RPC_CLIENT": "tonic"})

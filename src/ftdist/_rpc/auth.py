@@ -28,6 +28,7 @@ __all__ = [
     "metadata_refusal",
     "open_channel",
     "server_credentials",
+    "uses_tls",
 ]
 
 Metadata = tuple[tuple[str, str], ...]
@@ -65,6 +66,11 @@ def _is_tls_address(address: str) -> bool:
     return address.strip().startswith("https://")
 
 
+def uses_tls(address: str, tls: TlsFiles) -> bool:
+    """Whether :func:`open_channel` opens ``address`` with TLS under ``tls``."""
+    return tls.ca is not None or _is_tls_address(address)
+
+
 def open_channel(address: str, options: list[tuple[str, Any]], tls: TlsFiles) -> grpc.Channel:
     """A channel to ``address``, over TLS when ``tls.ca`` is set or the address is ``https://``.
 
@@ -83,7 +89,7 @@ def open_channel(address: str, options: list[tuple[str, Any]], tls: TlsFiles) ->
         OSError: a TLS file cannot be read.
     """
     target = grpc_target(address)
-    if tls.ca is None and not _is_tls_address(address):
+    if not uses_tls(address, tls):
         return grpc.insecure_channel(target, options=options)
     pair = tls.server_pair()
     credentials = grpc.ssl_channel_credentials(

@@ -86,6 +86,7 @@ from ftdist._rpc import common as _rpc
 from ftdist._rpc._proto import ftdist_pb2, torchft_pb2
 from ftdist._rpc.auth import call_metadata
 from ftdist.errors import CoordinationError, CoordinationTimeoutError
+from ftdist.lighthouse.config import lighthouse_rpc_client
 from ftdist.lighthouse.connection import Connection
 from ftdist.lighthouse.event_stream import LighthouseEventStream
 from ftdist.lighthouse.following import (
@@ -135,10 +136,15 @@ class LighthouseClient:
             fails and can be opened again instead of staying half-open;
             None: every 60 s (for ftdist's lighthouse; torchft's rejects
             frequent pings).
+        rpc_client: how unary calls go on plaintext: ``"h2"`` (on
+            :mod:`ftdist._rpc.h2_client`, from the calling thread) or
+            ``"grpcio"``; default ``FTDIST_LIGHTHOUSE_RPC_CLIENT``, then
+            ``"h2"``. TLS always goes through grpcio.
 
     Raises:
         ValueError: if the address, timeout or token is malformed (an
-            address list: an entry empty, malformed or given twice).
+            address list: an entry empty, malformed or given twice), or
+            ``rpc_client`` is neither ``h2`` nor ``grpcio``.
         OSError: if a token or TLS file cannot be read.
         CoordinationError: if the lighthouse cannot be reached in time.
     """
@@ -151,8 +157,10 @@ class LighthouseClient:
         token: str | None = None,
         tls_ca: str | None = None,
         keepalive: timedelta | float | None = None,
+        rpc_client: str | None = None,
     ) -> None:
         self.addr = addr
+        self._rpc_client = lighthouse_rpc_client(rpc_client)
         self.connect_timeout = (
             connect_timeout
             if isinstance(connect_timeout, timedelta)
@@ -170,7 +178,7 @@ class LighthouseClient:
         self._replicas = [Replica(a) for a in addresses] if self._replicated else [Replica(addr)]
         self._current = self._replicas[0]
         if not self._replicated:
-            self._current.conn = Connection(addr, self._tls, self._keepalive_s)
+            self._current.conn = Connection(addr, self._tls, self._keepalive_s, self._rpc_client)
         self._lock = threading.Lock()  # one connect waiter at a time
         # Guards _replicas, _current, each replica's conn and _closed; never
         # held while waiting on the network, so a renewal is not stuck
@@ -199,7 +207,7 @@ class LighthouseClient:
             conns = [r.conn for r in self._replicas if r.conn is not None]
         self._closing.set()
         for conn in conns:
-            conn.channel.close()
+            conn.close()
 
     def renew_connection(self, silent_since: float | None = None) -> None:
         """Drop the current connection and open a new one for the next call.
@@ -226,13 +234,11 @@ class LighthouseClient:
                 # Another call got through meanwhile: the connection works
                 # (closing it would cancel that call, a quorum it waits for).
                 return
-            replica.conn = Connection(replica.addr, self._tls, self._keepalive_s)
+            replica.conn = Connection(replica.addr, self._tls, self._keepalive_s, self._rpc_client)
             self._connected = False
         # Closing a channel can block for a while (it cancels its calls):
         # never on the caller's path, which is a heartbeat or a quorum round.
-        threading.Thread(
-            target=old.channel.close, name="ftdist-lighthouse-close", daemon=True
-        ).start()
+        threading.Thread(target=old.close, name="ftdist-lighthouse-close", daemon=True).start()
 
     def __enter__(self) -> LighthouseClient:
         return self
@@ -602,7 +608,9 @@ class LighthouseClient:
             if self._closed:
                 raise CoordinationError(f"client of {self.addr} is closed")
             if replica.conn is None:  # a replica is connected when first used
-                replica.conn = Connection(replica.addr, self._tls, self._keepalive_s)
+                replica.conn = Connection(
+                    replica.addr, self._tls, self._keepalive_s, self._rpc_client
+                )
             return replica.conn
 
     # -- several replicas: following the leader -------------------------------

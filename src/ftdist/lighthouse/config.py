@@ -41,6 +41,12 @@ Python settings only; docs/security.md explains them.
 ``grpcio``, grpcio's core (:mod:`ftdist._rpc.cq_server`). A lighthouse
 serving TLS always runs on grpcio's core.
 
+A client's side has one setting, read by :func:`lighthouse_rpc_client`:
+``FTDIST_LIGHTHOUSE_RPC_CLIENT`` picks how a :class:`~ftdist.lighthouse.client.LighthouseClient`
+makes its unary calls (quorum, heartbeat, status) on plaintext: ``h2``
+(the default: :mod:`ftdist._rpc.h2_client`, from the calling thread) or
+``grpcio`` (grpcio's channel, as before it). TLS always goes through grpcio.
+
 The two join-timeout defaults are torchft's: its Python ``LighthouseServer``
 defaults to 100 ms (tests want quick quorums), its command line to 60 s
 (production wants stragglers to make it).
@@ -66,6 +72,29 @@ def lighthouse_address(environ: Mapping[str, str] | None = None) -> str | None:
     return env.get("FTDIST_LIGHTHOUSE") or env.get("TORCHFT_LIGHTHOUSE") or None
 
 
+_RPC_CLIENTS = ("h2", "grpcio")
+
+
+def lighthouse_rpc_client(
+    value: str | None = None, environ: Mapping[str, str] | None = None
+) -> str:
+    """How lighthouse clients make unary calls on plaintext: ``value``, else
+    ``FTDIST_LIGHTHOUSE_RPC_CLIENT``, else ``"h2"``.
+
+    Raises:
+        ValueError: for anything but ``h2`` or ``grpcio`` (any case).
+    """
+    env = os.environ if environ is None else environ
+    chosen = value if value is not None else env.get("FTDIST_LIGHTHOUSE_RPC_CLIENT", "h2")
+    picked = chosen.strip().lower()
+    if picked not in _RPC_CLIENTS:
+        raise ValueError(
+            f"rpc_client ({chosen!r}) must be one of {', '.join(_RPC_CLIENTS)}; "
+            "set FTDIST_LIGHTHOUSE_RPC_CLIENT=h2 (the default) or grpcio"
+        )
+    return picked
+
+
 __all__ = [
     "API_DEFAULTS",
     "CLI_DEFAULTS",
@@ -73,6 +102,7 @@ __all__ = [
     "LighthouseConfig",
     "ReplicationConfig",
     "lighthouse_address",
+    "lighthouse_rpc_client",
     "resolve_lighthouse_config",
 ]
 

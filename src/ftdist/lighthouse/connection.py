@@ -7,6 +7,12 @@ the callables of every method the client uses on it, with the options that
 make a dead connection show: a channel of its own, so that a renewed
 connection is really new, and optional keepalive pings, so that a long
 stream across a partition fails instead of staying half-open.
+
+On plaintext, the unary calls (the quorum and heartbeat of every round
+among them) go on :class:`~ftdist._rpc.h2_client.H2Channel` instead, which
+makes them on the calling thread, about 120 us sooner each than through
+grpcio; the gRPC channel still tells when the lighthouse is up and carries
+the failure-news stream.
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ from typing import Any
 
 from ftdist._rpc import common as _rpc
 from ftdist._rpc._proto import ftdist_pb2, torchft_pb2
-from ftdist._rpc.auth import open_channel
+from ftdist._rpc.auth import open_channel, uses_tls
+from ftdist._rpc.h2_client import H2Channel
 
 __all__ = ["Connection"]
 
@@ -23,7 +30,9 @@ __all__ = ["Connection"]
 class Connection:
     """One channel to the lighthouse and the calls made on it."""
 
-    def __init__(self, addr: str, tls: Any, keepalive_s: float | None = None) -> None:
+    def __init__(
+        self, addr: str, tls: Any, keepalive_s: float | None = None, rpc_client: str = "h2"
+    ) -> None:
         # A channel of its own (no subchannel shared with other channels to
         # the same address), so that a renewed connection is really new.
         extra: dict[str, int] = {"grpc.use_local_subchannel_pool": 1}
@@ -40,14 +49,16 @@ class Connection:
             )
         options = [(k, v) for k, v in _rpc.client_channel_options() if k not in extra]
         self.channel = open_channel(addr, [*options, *extra.items()], tls)
+        plain_h2 = rpc_client == "h2" and not uses_tls(addr, tls)
+        self._unary: Any = H2Channel(_rpc.grpc_target(addr)) if plain_h2 else self.channel
         # When this connection last showed it works (connected, or answered).
         self.alive_at = float("-inf")
-        self.quorum = self.channel.unary_unary(
+        self.quorum = self._unary.unary_unary(
             _rpc.LIGHTHOUSE_QUORUM,
             request_serializer=torchft_pb2.LighthouseQuorumRequest.SerializeToString,
             response_deserializer=torchft_pb2.LighthouseQuorumResponse.FromString,
         )
-        self.heartbeat = self.channel.unary_unary(
+        self.heartbeat = self._unary.unary_unary(
             _rpc.LIGHTHOUSE_HEARTBEAT,
             request_serializer=torchft_pb2.LighthouseHeartbeatRequest.SerializeToString,
             response_deserializer=torchft_pb2.LighthouseHeartbeatResponse.FromString,
@@ -57,18 +68,24 @@ class Connection:
             request_serializer=ftdist_pb2.SubscribeRequest.SerializeToString,
             response_deserializer=ftdist_pb2.LighthouseEvent.FromString,
         )
-        self.status = self.channel.unary_unary(
+        self.status = self._unary.unary_unary(
             _rpc.EVENTS_STATUS,
             request_serializer=ftdist_pb2.StatusRequest.SerializeToString,
             response_deserializer=ftdist_pb2.StatusResponse.FromString,
         )
-        self.leave = self.channel.unary_unary(
+        self.leave = self._unary.unary_unary(
             _rpc.EVENTS_LEAVE,
             request_serializer=ftdist_pb2.LeaveRequest.SerializeToString,
             response_deserializer=ftdist_pb2.LeaveResponse.FromString,
         )
-        self.report_heal = self.channel.unary_unary(
+        self.report_heal = self._unary.unary_unary(
             _rpc.EVENTS_REPORT_HEAL,
             request_serializer=ftdist_pb2.HealReport.SerializeToString,
             response_deserializer=ftdist_pb2.HealReportResponse.FromString,
         )
+
+    def close(self) -> None:
+        """Close the channel and the unary calls' connections; calls in flight fail."""
+        if self._unary is not self.channel:
+            self._unary.close()
+        self.channel.close()
