@@ -3,9 +3,13 @@ and ftdist's own service, which released clients already call."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 
 from ftdist._rpc._proto import ftdist_pb2, torchft_pb2
+from ftdist.lighthouse.types import QuorumMember
 
 # (message, {field name: number}) from torchft's proto, including the fields
 # its 2026 wheels added; ftdist's own extensions use numbers >= 100.
@@ -137,3 +141,37 @@ def test_ftdist_service() -> None:
         "ReportHeal": ("HealReport", "HealReportResponse", False),
     }
     assert list(ftdist_pb2.DESCRIPTOR.services_by_name) == ["LighthouseEvents"]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"data": '{"k": [1, 2]}', "commit_failures": 3, "reconfigure_handles": ["h0", "h1"]},
+        {"data": "not json", "shrink_only": True},
+    ],
+)
+def test_a_quorum_member_from_the_wire_keeps_every_field(extra: dict[str, object]) -> None:
+    fields = {
+        "replica_id": "r1",
+        "address": "http://h:1",
+        "store_address": "h:2",
+        "step": 7,
+        "world_size": 4,
+        "shrink_only": False,
+        **extra,
+    }
+    member = QuorumMember.from_proto(torchft_pb2.QuorumMember(**fields))  # type: ignore[arg-type]
+    got = dataclasses.asdict(member)
+    raw = fields.get("data")
+    expected_data = None
+    if raw == "not json":
+        expected_data = {"raw": "not json"}
+    elif raw is not None:
+        expected_data = json.loads(str(raw))
+    assert got == {
+        **fields,
+        "data": expected_data,
+        "commit_failures": fields.get("commit_failures", 0),
+        "reconfigure_handles": tuple(fields.get("reconfigure_handles", ())),  # type: ignore[arg-type]
+    }

@@ -89,16 +89,20 @@ class QuorumMember:
             except ValueError:
                 decoded = None
             data = decoded if isinstance(decoded, dict) else {"raw": member.data}
+        handles = member.reconfigure_handles
+        # Positional, and no tuple() of an empty list: a client turns every
+        # member of every quorum into one of these (1024 per round at 1024
+        # groups), and the keywords and the empty copy were a fifth of it.
         return cls(
-            replica_id=member.replica_id,
-            address=member.address,
-            store_address=member.store_address,
-            step=member.step,
-            world_size=member.world_size,
-            shrink_only=member.shrink_only,
-            data=data,
-            commit_failures=member.commit_failures,
-            reconfigure_handles=tuple(member.reconfigure_handles),
+            member.replica_id,
+            member.address,
+            member.store_address,
+            member.step,
+            member.world_size,
+            member.shrink_only,
+            data,
+            member.commit_failures,
+            tuple(handles) if handles else (),
         )
 
 
