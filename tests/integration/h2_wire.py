@@ -7,8 +7,11 @@ code it checks would agree with that code's mistakes.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
+import threading
+from collections.abc import Callable
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, RST_STREAM, SETTINGS = 0x0, 0x1, 0x3, 0x4
@@ -91,3 +94,51 @@ def settings_of(payload: bytes) -> dict[int, int]:
 def pings_of(frames: list[Frame]) -> list[Frame]:
     """The PINGs a peer sent on its own (not acknowledgements)."""
     return [f for f in frames if f[0] == PING and not f[1] & ACK]
+
+
+class Acceptor:
+    """A listener on 127.0.0.1 that serves each connection on a thread of its own.
+
+    ``serve(sock, index)`` runs for the ``index``-th connection, with the
+    socket's timeout set; :meth:`close` stops accepting, wakes every served
+    connection with a shutdown, joins every thread and closes every socket.
+    """
+
+    def __init__(self, serve: Callable[[socket.socket, int], None], timeout: float) -> None:
+        self._serve = serve
+        self._timeout = timeout
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.2)
+        self.port: int = self._listener.getsockname()[1]
+        self.stopping = threading.Event()
+        self._socks: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
+        self._thread = threading.Thread(target=self._accept, name="test-h2-accept")
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop, and join every thread this started."""
+        self.stopping.set()
+        self._thread.join(self._timeout)
+        for sock in self._socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        for thread in self._threads:
+            thread.join(self._timeout)
+        self._listener.close()
+        for sock in self._socks:
+            sock.close()
+
+    def _accept(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            sock.settimeout(self._timeout)
+            self._socks.append(sock)
+            thread = threading.Thread(
+                target=self._serve, args=(sock, len(self._threads)), name="test-h2-serve"
+            )
+            self._threads.append(thread)
+            thread.start()

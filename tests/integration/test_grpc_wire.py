@@ -9,10 +9,8 @@ call returns.
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import struct
-import threading
 from datetime import timedelta
 
 import pytest
@@ -31,6 +29,7 @@ from tests.integration.h2_wire import (
     PREFACE,
     SETTINGS,
     WINDOW_UPDATE,
+    Acceptor,
     Frame,
     Reader,
     frame,
@@ -117,48 +116,22 @@ class _FakeLighthouse:
 
     def __init__(self, reply: bytes) -> None:
         self._message = b"\x00" + struct.pack(">I", len(reply)) + reply
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._listener.settimeout(TIMEOUT)
-        self.port = self._listener.getsockname()[1]
         self.frames: list[Frame] = []
         self.settings: dict[int, int] = {}
         self.error: BaseException | None = None
-        self._threads: list[threading.Thread] = []
-        self._conns: list[socket.socket] = []
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
+        self._acceptor = Acceptor(self._serve, TIMEOUT)
+        self.port = self._acceptor.port
 
     def close(self) -> None:
-        self._listener.close()
-        self._thread.join(TIMEOUT)
-        for conn in self._conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-        for thread in self._threads:
-            thread.join(TIMEOUT)
+        self._acceptor.close()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return  # closed
-            self._conns.append(conn)
-            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
-            self._threads.append(thread)
-            thread.start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            conn.settimeout(TIMEOUT)
-            try:
-                self._answer(conn)
-            except (ConnectionError, TimeoutError, OSError):
-                pass  # the client closed the connection
-            except BaseException as exc:
-                self.error = exc
+    def _serve(self, conn: socket.socket, index: int) -> None:
+        try:
+            self._answer(conn)
+        except (ConnectionError, TimeoutError, OSError):
+            pass  # the client closed the connection
+        except BaseException as exc:
+            self.error = exc
 
     def _answer(self, conn: socket.socket) -> None:
         reader = Reader(conn)

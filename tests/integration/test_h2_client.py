@@ -46,6 +46,7 @@ from tests.integration.h2_wire import (
     RST_STREAM,
     SETTINGS,
     WINDOW_UPDATE,
+    Acceptor,
     Frame,
     Reader,
     frame,
@@ -375,42 +376,15 @@ class _Peer:
     def __init__(self, *scripts: Callable[[_Link], None], initial_window: int = 65_535) -> None:
         self._scripts = list(scripts)
         self._window = initial_window
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._listener.settimeout(0.2)
-        self.port = self._listener.getsockname()[1]
         self.links: list[_Link] = []
         self.errors: list[BaseException] = []
-        self._stop = threading.Event()
-        self._socks: list[socket.socket] = []
-        self._threads: list[threading.Thread] = []
-        self._thread = threading.Thread(target=self._accept)
-        self._thread.start()
+        self._acceptor = Acceptor(self._run, TIMEOUT)
+        self.port = self._acceptor.port
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(TIMEOUT)
-        for sock in self._socks:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-        for thread in self._threads:
-            thread.join(TIMEOUT)
-        self._listener.close()
-        for sock in self._socks:
-            sock.close()
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                sock, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            self._socks.append(sock)
-            thread = threading.Thread(target=self._run, args=(sock, len(self._threads)))
-            self._threads.append(thread)
-            thread.start()
+        self._acceptor.close()
 
     def _run(self, sock: socket.socket, index: int) -> None:
-        sock.settimeout(TIMEOUT)
         try:
             link = _Link(sock, self._window)
             self.links.append(link)
@@ -418,7 +392,7 @@ class _Peer:
                 raise AssertionError(f"connection {index} was not expected")
             self._scripts[index](link)
         except BaseException as exc:
-            if not self._stop.is_set():
+            if not self._acceptor.stopping.is_set():
                 self.errors.append(exc)
 
 
