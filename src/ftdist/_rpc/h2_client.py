@@ -5,10 +5,10 @@ Unary gRPC calls on plaintext HTTP/2, written here, no grpcio underneath
 The lighthouse client makes two calls per group and quorum round (a
 ``Heartbeat``, then the ``Quorum``). A grpcio unary call from Python hands
 its request to gRPC core's threads and waits on a completion queue for the
-answer: about 120 us more per call than torchft's Rust client against the
-same lighthouse (``bench/lighthouse.py --client ftdist``), which made a round
-at two groups 1.3x as long as torchft's whole stack although the two
-lighthouses answer in the same time. Here the calling thread writes its
+answer: a round at two groups took 0.33 ms longer with ftdist's client
+than with torchft's Rust one against the same lighthouse (``bench/lighthouse.py
+--client ftdist``), 1.3x torchft's whole stack although the two lighthouses
+answer in the same time. Here the calling thread writes its
 request and reads its answer itself: one ``send`` and, when the server is
 quick, one ``recv`` per call.
 
@@ -58,10 +58,12 @@ _TOP_UP_AFTER = 1 << 29
 _IDLE_KEPT = 4
 # Sends of a call the server provably did not take (it was shutting down).
 _ATTEMPTS = 3
+_ANSWER_S = 1.0
 _RECV_BYTES = 1 << 18
 # Past this stream id a connection is retired (ids are 31 bits, odd, rising).
 _LAST_STREAM_ID = (1 << 31) - 1 - 2 * 1024
 _REFUSED_STREAM = 0x7
+_DEFAULT_FRAME = 16_384  # HTTP/2's SETTINGS_MAX_FRAME_SIZE until the peer says otherwise
 
 _SETTINGS = h2.frame(
     h2.SETTINGS,
@@ -110,7 +112,7 @@ class _Conn:
         self.opening = _OPENING  # sent with the first request
         self.window = 65_535  # the connection's window for what we send
         self.peer_window = 65_535  # each new stream's window for what we send
-        self.max_frame = h2._DEFAULT_FRAME
+        self.max_frame = _DEFAULT_FRAME
         self.unacked = 0  # bytes received since our last connection WINDOW_UPDATE
         self.goaway_after: int | None = None  # the server takes no stream above this
 
@@ -172,9 +174,13 @@ class H2Channel:
     ) -> Callable[..., Any]:
         """A callable making unary calls of ``method``, like grpcio's.
 
-        The callable takes ``(request, timeout=None, metadata=None)`` and
-        returns the response. It raises :class:`H2RpcError` as grpcio raises
-        its errors, and ``ValueError`` once the channel is closed.
+        The callable takes ``(request, timeout=None, metadata=None)``
+        (seconds; ``(key, value)`` pairs) and returns the response.
+
+        Raises:
+            Nothing itself. The callable raises :class:`H2RpcError` where
+            grpcio's raises its errors (see the module's documentation), and
+            ``ValueError`` once the channel is closed.
         """
         path = method.encode()
 
@@ -190,7 +196,11 @@ class H2Channel:
         return call
 
     def close(self) -> None:
-        """Close every connection; calls in flight end ``CANCELLED``. Idempotent."""
+        """Close every connection; calls in flight end ``CANCELLED``. Idempotent.
+
+        Raises:
+            Nothing: a connection that fails to close is dropped all the same.
+        """
         with self._lock:
             self._closed = True
             conns = [*self._idle, *self._busy]
@@ -481,7 +491,9 @@ class H2Channel:
                 conn.buf += data
                 self._frames(conn, None, out)
             if out:
-                conn.sock.settimeout(None)
+                # A few bytes (PING and SETTINGS acknowledgements): a peer
+                # that cannot take them within a second costs the connection.
+                conn.sock.settimeout(_ANSWER_S)
                 conn.sock.sendall(out)
         except (OSError, H2RpcError, _NotTaken):
             return False
