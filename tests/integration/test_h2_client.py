@@ -126,8 +126,8 @@ def test_calls_to_ftdist_lighthouse_answer_and_fail_as_grpc_does() -> None:
             # and the look at an idle connection never waits: not for the
             # previous call's longer timeout, nor past this call's own.
             began = time.monotonic()
-            heartbeat(torchft_pb2.LighthouseHeartbeatRequest(replica_id="a"), timeout=2.0)
-            assert time.monotonic() - began < TIMEOUT / 2
+            heartbeat(torchft_pb2.LighthouseHeartbeatRequest(replica_id="a"), timeout=5.0)
+            assert time.monotonic() - began < 0.75 * TIMEOUT
 
 
 def test_the_job_token_travels_as_metadata() -> None:

@@ -64,7 +64,11 @@ quorum thread at once.
 Every call carries the job token (:mod:`ftdist._auth`) when the process has
 one; a lighthouse without a token ignores it, one with a token refuses calls
 without it (``CoordinationError`` naming ``UNAUTHENTICATED``). The channel
-uses TLS for an ``https://`` address or when ``FTDIST_TLS_CA`` is set.
+uses TLS for an ``https://`` address or when ``FTDIST_TLS_CA`` is set. On
+plaintext the unary calls (quorum, heartbeat, status, leave, heal reports)
+go on ftdist's own HTTP/2 client (:mod:`ftdist._rpc.h2_client`), made from
+the calling thread; ``FTDIST_LIGHTHOUSE_RPC_CLIENT=grpcio`` (or
+``rpc_client="grpcio"``) sends them through grpcio, as TLS always does.
 """
 
 from __future__ import annotations
