@@ -535,3 +535,24 @@ def test_large_messages_both_ways_under_small_windows_and_split_frames() -> None
     sent = [f for f in frames if f[0] == DATA]
     # The client stayed within the windows: no frame above the default frame size.
     assert max(len(f[3]) for f in sent) <= 16_384
+
+
+def test_a_write_the_server_never_reads_ends_at_the_deadline() -> None:
+    # Windows opened wide, then nothing read: the request's write fills the
+    # socket buffers and waits. Past the deadline it is DEADLINE_EXCEEDED,
+    # not a refusal sent again nor a broken connection.
+    done = threading.Event()
+
+    def script(link: _Link) -> None:
+        grant = struct.pack(">I", (1 << 31) - 1 - 65_535)
+        link.sock.sendall(frame(WINDOW_UPDATE, 0, 0, grant))
+        done.wait(TIMEOUT)
+
+    with _peer(script, initial_window=(1 << 31) - 1) as peer, _channel(peer.port) as channel:
+        try:
+            with pytest.raises(H2RpcError) as late:
+                _echo(channel)(b"x" * (64 << 20), timeout=1.0)
+        finally:
+            done.set()
+    assert late.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED, late.value
+    assert len(peer.links) == 1

@@ -21,6 +21,7 @@ from typing import NamedTuple, NoReturn
 from ftdist._rpc.hpack import Decoder, HpackError
 
 __all__ = [
+    "DEFAULT_FRAME",
     "PREFACE",
     "ConnectionError_",
     "DataReceived",
@@ -45,7 +46,7 @@ _INITIAL_WINDOW_SIZE, _MAX_FRAME_SIZE, _MAX_HEADER_LIST_SIZE = 0x4, 0x5, 0x6
 
 _DEFAULT_WINDOW = 65_535
 _MAX_WINDOW = (1 << 31) - 1
-_DEFAULT_FRAME = 16_384
+DEFAULT_FRAME = 16_384  # SETTINGS_MAX_FRAME_SIZE until a peer says otherwise
 # A header block larger than this ends the connection; gRPC metadata is
 # small, and the limit keeps a client from growing the server's memory.
 MAX_HEADER_BLOCK = 64 * 1024
@@ -131,7 +132,7 @@ class ServerConnection:
         self._stream_consumed: dict[int, int] = {}
         self._send_window = _DEFAULT_WINDOW
         self._peer_initial_window = _DEFAULT_WINDOW
-        self._peer_max_frame = _DEFAULT_FRAME
+        self._peer_max_frame = DEFAULT_FRAME
         self._high_water = out_high_water
         self._outgoing: dict[int, _Outgoing] = {}
         self._blocked: set[int] = set()
@@ -205,7 +206,7 @@ class ServerConnection:
         while end - pos >= 9:
             high, low, kind, flags, stream_id = unpack(data, pos)
             length = (high << 16) | low
-            if length > _DEFAULT_FRAME:
+            if length > DEFAULT_FRAME:
                 self._fail(FRAME_SIZE_ERROR, f"frame of {length} bytes is above 16384")
             if end - pos - 9 < length:
                 break
@@ -352,7 +353,7 @@ class ServerConnection:
                     outgoing.window += delta
                 self._blocked.update(self._outgoing)
             elif key == _MAX_FRAME_SIZE:
-                if not _DEFAULT_FRAME <= value <= (1 << 24) - 1:
+                if not DEFAULT_FRAME <= value <= (1 << 24) - 1:
                     self._fail(PROTOCOL_ERROR, f"max frame size {value} out of range")
                 self._peer_max_frame = value
         self.out += frame(SETTINGS, ACK, 0)

@@ -41,11 +41,12 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
 from ftdist._rpc import h2
+from ftdist._rpc.h2_call import message_prefix
 from ftdist._rpc.h2_outcome import H2RpcError, outcome
 from ftdist._rpc.hpack import Decoder, HpackError, encode
 
@@ -63,7 +64,6 @@ _RECV_BYTES = 1 << 18
 # Past this stream id a connection is retired (ids are 31 bits, odd, rising).
 _LAST_STREAM_ID = (1 << 31) - 1 - 2 * 1024
 _REFUSED_STREAM = 0x7
-_DEFAULT_FRAME = 16_384  # HTTP/2's SETTINGS_MAX_FRAME_SIZE until the peer says otherwise
 
 _SETTINGS = h2.frame(
     h2.SETTINGS,
@@ -77,7 +77,6 @@ _OPENING = (
 _SETTINGS_ACK = h2.frame(h2.SETTINGS, h2.ACK, 0)
 _frame_header = struct.Struct(">BHBBI")
 _u32 = struct.Struct(">I")
-_message_prefix = struct.Struct(">BI")
 
 
 class _NotTaken(Exception):
@@ -112,7 +111,7 @@ class _Conn:
         self.opening = _OPENING  # sent with the first request
         self.window = 65_535  # the connection's window for what we send
         self.peer_window = 65_535  # each new stream's window for what we send
-        self.max_frame = _DEFAULT_FRAME
+        self.max_frame = h2.DEFAULT_FRAME
         self.unacked = 0  # bytes received since our last connection WINDOW_UPDATE
         self.goaway_after: int | None = None  # the server takes no stream above this
 
@@ -218,7 +217,7 @@ class H2Channel:
         metadata: Sequence[tuple[str, str | bytes]] | None,
     ) -> bytes:
         block = self._header_block(path, metadata)
-        message = _message_prefix.pack(0, len(request)) + request
+        message = message_prefix.pack(0, len(request)) + request
         for attempt in range(_ATTEMPTS):
             conn = self._checkout(deadline)
             try:
@@ -297,7 +296,7 @@ class H2Channel:
         try:
             conn.sock.settimeout(_left(deadline))
             conn.sock.sendall(out)
-        except BlockingIOError as exc:  # SO_SNDTIMEO ran out
+        except TimeoutError as exc:  # before OSError: it is one, and no sign of a refusal
             raise H2RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from exc
         except OSError as exc:
             self._broken(exc, sent_before)
@@ -314,7 +313,7 @@ class H2Channel:
             self._broken(None, True)
         conn.buf += data
 
-    def _broken(self, exc: OSError | None, sent: bool) -> Any:
+    def _broken(self, exc: OSError | None, sent: bool) -> NoReturn:
         if self._closed:
             raise H2RpcError(grpc.StatusCode.CANCELLED, "Channel closed!") from exc
         if not sent:

@@ -12,16 +12,14 @@ a gRPC code as gRPC's own clients map it.
 
 from __future__ import annotations
 
-import base64
-import struct
 import urllib.parse
 from collections.abc import Callable
 
 import grpc
 
-__all__ = ["H2RpcError", "outcome"]
+from ftdist._rpc.h2_call import decode_metadata, message_prefix
 
-_message_prefix = struct.Struct(">BI")
+__all__ = ["H2RpcError", "outcome"]
 
 # gRPC's mapping of an HTTP status that is not 200 to a call's status.
 _HTTP_STATUS = {
@@ -118,7 +116,7 @@ def outcome(
         raise H2RpcError(code, details, _metadata(trailers or []))
     if len(body) < 5:
         raise H2RpcError(grpc.StatusCode.INTERNAL, "the response carried no message")
-    compressed, length = _message_prefix.unpack_from(body)
+    compressed, length = message_prefix.unpack_from(body)
     if compressed:
         raise H2RpcError(grpc.StatusCode.UNIMPLEMENTED, "compressed responses are not supported")
     if len(body) != 5 + length:
@@ -131,9 +129,5 @@ def _metadata(fields: list[tuple[bytes, bytes]]) -> tuple[tuple[str, str | bytes
     for name, value in fields:
         if name.startswith((b":", b"grpc-")) or name == b"content-type":
             continue
-        key = name.decode("latin-1")
-        if key.endswith("-bin"):
-            out.append((key, base64.b64decode(value + b"=" * (-len(value) % 4))))
-        else:
-            out.append((key, value.decode("latin-1")))
+        out.append((name.decode("latin-1"), decode_metadata(name, value)))
     return tuple(out)
