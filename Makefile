@@ -103,6 +103,7 @@ typecheck: setup
 bench: setup
 	$(PY) bench/process_group.py
 	$(PY) bench/lighthouse.py
+	$(PY) bench/manager_round.py
 	$(PY) bench/recovery.py
 	$(PY) bench/coordinator.py
 	$(PY) bench/launch.py

@@ -326,22 +326,25 @@ def _run_size_procs(
 
 
 def _wait_ready(address: str, proc: subprocess.Popen[bytes], deadline_s: float) -> None:
-    channel = grpc.insecure_channel(address)
-    try:
-        end = time.monotonic() + deadline_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"lighthouse exited with {proc.returncode} before serving")
-            try:
-                grpc.channel_ready_future(channel).result(timeout=0.2)
-                return
-            except grpc.FutureTimeoutError:
-                if time.monotonic() > end:
-                    raise RuntimeError(
-                        f"lighthouse at {address} not ready after {deadline_s} s"
-                    ) from None
-    finally:
-        channel.close()
+    """Wait until the lighthouse accepts connections (both servers listen only once serving).
+
+    A plain TCP connect: grpcio's ready future polls on a thread of its own
+    that can outlive ``channel.close()`` and print a "Channel closed!" trace.
+    """
+    host, _, port = address.rpartition(":")
+    end = time.monotonic() + deadline_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"lighthouse exited with {proc.returncode} before serving")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=0.5).close()
+            return
+        except OSError:
+            if time.monotonic() > end:
+                raise RuntimeError(
+                    f"lighthouse at {address} not ready after {deadline_s} s"
+                ) from None
+            time.sleep(0.05)
 
 
 def _percentile(values: list[float], q: float) -> float:
