@@ -224,3 +224,88 @@ def test_torchft_spellings_of_both_generations(server: ManagerServer) -> None:
         ) == [True, True]
         with pytest.raises(TypeError, match="give the group rank once"):
             c._quorum(0, 4, "", False, T, rank=0)
+
+
+@pytest.mark.parametrize("rpc_client", ["h2", "grpcio"])
+def test_both_client_transports_serve_rounds_and_votes(
+    server: ManagerServer, rpc_client: str
+) -> None:
+    # h2 (the default) sends each call's timeout: without it the server
+    # refuses the call (next test), so these rounds show that it arrives.
+    with ManagerClient(server.address(), T, rpc_client=rpc_client) as c:
+        for step in (1, 2):
+            r0, r1 = _in_threads(
+                lambda s=step: c.quorum(0, s, "m0", False, True, 0, T),
+                lambda s=step: c.quorum(1, s, "m1", False, True, 0, T),
+            )
+            assert r0.quorum_id == r1.quorum_id and r0.max_step == r1.max_step == step
+            assert (
+                _in_threads(
+                    lambda s=step: c.should_commit(0, s, True, T),
+                    lambda s=step: c.should_commit(1, s, s == 1, T),
+                )
+                == [step == 1] * 2
+            )
+        with pytest.raises(CoordinationError, match="group_rank 7 is outside"):
+            c.quorum(7, 0, "", False, True, 0, T)
+        with pytest.raises(CoordinationTimeoutError):
+            c.should_commit(0, 9, True, timedelta(milliseconds=300))
+
+
+def test_a_call_without_a_deadline_is_refused_and_the_server_serves_on(
+    server: ManagerServer,
+) -> None:
+    import grpc
+
+    from ftdist._rpc import common as rpc
+    from ftdist._rpc._proto import torchft_pb2 as pb
+    from ftdist._rpc.h2_client import H2Channel
+
+    vote = pb.ShouldCommitRequest(group_rank=0, step=1, should_commit=True)
+    ask = pb.ManagerQuorumRequest(group_rank=0, step=1)
+    h2 = H2Channel(rpc.grpc_target(server.address()))  # sends no grpc-timeout
+    channel = grpc.insecure_channel(rpc.grpc_target(server.address()))
+    try:
+        calls: list[tuple[Any, Any]] = []
+        for open_call in (h2.unary_unary, channel.unary_unary):
+            calls.append(
+                (
+                    open_call(
+                        rpc.MANAGER_SHOULD_COMMIT,
+                        pb.ShouldCommitRequest.SerializeToString,
+                        pb.ShouldCommitResponse.FromString,
+                    ),
+                    vote,
+                )
+            )
+            calls.append(
+                (
+                    open_call(
+                        rpc.MANAGER_QUORUM,
+                        pb.ManagerQuorumRequest.SerializeToString,
+                        pb.ManagerQuorumResponse.FromString,
+                    ),
+                    ask,
+                )
+            )
+        for call, request in calls:
+            # grpcio's server once told these handlers "centuries left", and
+            # waiting on that failed as UNKNOWN ("timestamp out of range").
+            with pytest.raises(grpc.RpcError) as caught:
+                call(request)  # no timeout
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+            assert "missing timeout" in caught.value.details()
+    finally:
+        h2.close()
+        channel.close()
+    with ManagerClient(server.address(), T) as c:
+        assert _in_threads(
+            lambda: c.should_commit(0, 1, True, T), lambda: c.should_commit(1, 1, True, T)
+        ) == [True, True]
+
+
+def test_an_unknown_client_transport_is_refused_before_connecting() -> None:
+    began = time.monotonic()
+    with pytest.raises(ValueError, match=r"rpc_client \('tonic'\).*FTDIST_MANAGER_RPC_CLIENT"):
+        ManagerClient("127.0.0.1:1", timedelta(seconds=30), rpc_client="tonic")
+    assert time.monotonic() - began < 10, "it waited for a server first"

@@ -222,3 +222,22 @@ def test_what_waits_for_the_window_is_counted_until_sent() -> None:
     conn.receive(_settings(initial_window=1 << 20))
     assert conn.queued_bytes == 0
     assert conn.streams == 0
+
+
+_UNIT_SECONDS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.floats(0, 1e13, allow_nan=False), st.integers(0, 10**12)))
+def test_grpc_timeout_is_never_shorter_than_asked_and_fits_the_spec(seconds: float) -> None:
+    from ftdist._rpc.h2_client import grpc_timeout
+
+    value = grpc_timeout(seconds)
+    digits, unit = value[:-1], value[-1:]
+    # gRPC's grammar: 1 to 8 ASCII digits, then one unit letter.
+    assert digits.isdigit() and 1 <= len(digits) <= 8 and unit in _UNIT_SECONDS, value
+    told = int(digits) * _UNIT_SECONDS[unit]
+    cap = 99_999_999 * 3600.0
+    assert told >= min(seconds, cap) * (1 - 1e-12) and told >= 1e-6, (seconds, value)
+    # Rounded up by less than one of its unit, except past the largest value.
+    assert seconds > cap or told - seconds < _UNIT_SECONDS[unit] * (1 + 1e-9), (seconds, value)

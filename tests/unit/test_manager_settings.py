@@ -61,3 +61,14 @@ def test_bad_settings_name_the_value(
 ) -> None:
     with pytest.raises(exc, match=needle):
         ManagerConfig.resolve(env=env, **kwargs)
+
+
+def test_manager_rpc_client_choice() -> None:
+    from ftdist.manager.config import manager_rpc_client
+
+    assert manager_rpc_client(environ={}) == "h2"
+    env = {"FTDIST_MANAGER_RPC_CLIENT": " GRPCIO "}
+    assert manager_rpc_client(environ=env) == "grpcio"
+    assert manager_rpc_client("h2", environ=env) == "h2"
+    with pytest.raises(ValueError, match=r"rpc_client \('tonic'\).*FTDIST_MANAGER_RPC_CLIENT"):
+        manager_rpc_client(environ={"FTDIST_MANAGER_RPC_CLIENT": "tonic"})

@@ -29,9 +29,11 @@ __all__ = [
     "MANAGER_QUORUM",
     "MANAGER_SHOULD_COMMIT",
     "NOT_LEADER_PREFIX",
+    "RPC_CLIENTS",
     "client_channel_options",
     "grpc_target",
     "map_rpc_error",
+    "pick_rpc_client",
     "server_options",
 ]
 
@@ -58,6 +60,31 @@ EVENTS_REPORT_HEAL = f"/{EVENTS_SERVICE}/ReportHeal"
 FOLLOW_LEADER_METADATA = "ftdist-follow-leader"
 LEADER_METADATA = "ftdist-leader"
 NOT_LEADER_PREFIX = "not the leader"
+
+# How a client makes its unary calls on plaintext: ftdist's own HTTP/2
+# client (ftdist._rpc.h2_client, from the calling thread) or a grpcio channel.
+RPC_CLIENTS = ("h2", "grpcio")
+
+
+def pick_rpc_client(chosen: str, variable: str) -> str:
+    """``chosen`` (a setting's value) as one of :data:`RPC_CLIENTS`.
+
+    Args:
+        chosen: the argument's or the environment's value, any case.
+        variable: the environment variable that sets it, named in the error.
+
+    Raises:
+        ValueError: for anything but ``h2`` or ``grpcio``.
+    """
+    picked = chosen.strip().lower()
+    if picked not in RPC_CLIENTS:
+        raise ValueError(
+            f"rpc_client ({chosen!r}) must be one of {', '.join(RPC_CLIENTS)}; "
+            f"set {variable}=h2 (the default) or grpcio"
+        )
+    return picked
+
+
 # A replica that forwards calls answers UNAVAILABLE with details starting
 # with NO_LEADER_YET while no leader is elected (the call entered no quorum),
 # and passes a leader's UNAVAILABLE on with details starting with

@@ -36,6 +36,7 @@ REFUSED_STREAM reset) goes again on a new connection, within its timeout.
 
 from __future__ import annotations
 
+import math
 import socket
 import struct
 import threading
@@ -50,7 +51,11 @@ from ftdist._rpc.h2_call import message_prefix
 from ftdist._rpc.h2_outcome import H2RpcError, outcome
 from ftdist._rpc.hpack import Decoder, HpackError, encode
 
-__all__ = ["H2Channel", "H2RpcError"]  # the error is re-exported: callers catch it here
+__all__ = [
+    "H2Channel",
+    "H2RpcError",
+    "grpc_timeout",
+]  # the error is re-exported: callers catch it here
 
 # Our receive windows (each stream's and the connection's): a response never
 # waits for a WINDOW_UPDATE from us; the connection's is topped up as it drains.
@@ -148,16 +153,22 @@ class H2Channel:
 
     Args:
         target: ``host:port`` (``[v6]:port`` for IPv6).
+        send_timeout: also tell the server each call's timeout (the
+            ``grpc-timeout`` header), for servers whose handlers read their
+            deadline (grpcio's ``context.time_remaining()``). Without it the
+            timeout is the client's alone: past it the connection is closed,
+            which cancels the call on the server.
 
     Raises:
         ValueError: if ``target`` has no port.
     """
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, *, send_timeout: bool = False) -> None:
         host, sep, port = target.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"target {target!r} must be host:port")
         self.target = target
+        self._send_timeout = send_timeout
         self._address = (host.strip("[]"), int(port))
         self._lock = threading.Lock()
         self._idle: list[_Conn] = []
@@ -189,7 +200,12 @@ class H2Channel:
             metadata: Sequence[tuple[str, str | bytes]] | None = None,
         ) -> Any:
             deadline = None if timeout is None else time.monotonic() + timeout
-            payload = self._call(path, request_serializer(request), deadline, metadata)
+            block = self._header_block(path, metadata)
+            if self._send_timeout and timeout is not None:
+                # Appended after the cached block: a literal that leaves the
+                # peer's HPACK table alone, so the cached part stays valid.
+                block += encode([(b"grpc-timeout", grpc_timeout(timeout))])
+            payload = self._call(block, request_serializer(request), deadline)
             return response_deserializer(payload)
 
         return call
@@ -209,14 +225,7 @@ class H2Channel:
 
     # -- one call -----------------------------------------------------------
 
-    def _call(
-        self,
-        path: bytes,
-        request: bytes,
-        deadline: float | None,
-        metadata: Sequence[tuple[str, str | bytes]] | None,
-    ) -> bytes:
-        block = self._header_block(path, metadata)
+    def _call(self, block: bytes, request: bytes, deadline: float | None) -> bytes:
         message = message_prefix.pack(0, len(request)) + request
         for attempt in range(_ATTEMPTS):
             conn = self._checkout(deadline)
@@ -519,3 +528,15 @@ def _left(deadline: float | None) -> float | None:
     if left <= 0:
         raise H2RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
     return left
+
+
+def grpc_timeout(seconds: float) -> bytes:
+    """``seconds`` as a ``grpc-timeout`` value: at most 8 digits and a unit,
+    rounded up in the finest unit that fits (a timeout never reaches the
+    server shorter than it was given); at least one microsecond."""
+    micros = max(1, math.ceil(seconds * 1e6))
+    for unit, per in ((b"u", 1), (b"m", 1000), (b"S", 1_000_000), (b"M", 60_000_000)):
+        count = -(-micros // per)
+        if count < 100_000_000:
+            return str(count).encode() + unit
+    return str(min(99_999_999, -(-micros // 3_600_000_000))).encode() + b"H"

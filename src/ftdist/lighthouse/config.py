@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from ftdist._auth import job_token, tls_files
+from ftdist._rpc.common import pick_rpc_client
 
 
 def lighthouse_address(environ: Mapping[str, str] | None = None) -> str | None:
@@ -70,9 +71,6 @@ def lighthouse_address(environ: Mapping[str, str] | None = None) -> str | None:
     """
     env = os.environ if environ is None else environ
     return env.get("FTDIST_LIGHTHOUSE") or env.get("TORCHFT_LIGHTHOUSE") or None
-
-
-_RPC_CLIENTS = ("h2", "grpcio")
 
 
 def lighthouse_rpc_client(
@@ -86,13 +84,7 @@ def lighthouse_rpc_client(
     """
     env = os.environ if environ is None else environ
     chosen = value if value is not None else env.get("FTDIST_LIGHTHOUSE_RPC_CLIENT", "h2")
-    picked = chosen.strip().lower()
-    if picked not in _RPC_CLIENTS:
-        raise ValueError(
-            f"rpc_client ({chosen!r}) must be one of {', '.join(_RPC_CLIENTS)}; "
-            "set FTDIST_LIGHTHOUSE_RPC_CLIENT=h2 (the default) or grpcio"
-        )
-    return picked
+    return pick_rpc_client(chosen, "FTDIST_LIGHTHOUSE_RPC_CLIENT")
 
 
 __all__ = [

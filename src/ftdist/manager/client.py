@@ -13,8 +13,10 @@ from ftdist._auth import job_token, tls_files
 from ftdist._durations import to_seconds
 from ftdist._rpc import common as _rpc
 from ftdist._rpc._proto import torchft_pb2
-from ftdist._rpc.auth import call_metadata, open_channel
+from ftdist._rpc.auth import call_metadata, open_channel, uses_tls
+from ftdist._rpc.h2_client import H2Channel
 from ftdist.errors import CoordinationError
+from ftdist.manager.config import manager_rpc_client
 from ftdist.manager.rule import QuorumResult
 
 
@@ -89,11 +91,18 @@ class ManagerClient:
         connect_timeout: how long to wait for the server to be reachable.
         token: the job token sent with every call (default
             ``FTDIST_JOB_TOKEN``, then ``FTDIST_JOB_TOKEN_FILE``).
+        rpc_client: how calls travel on plaintext: ``"h2"`` (ftdist's own
+            HTTP/2 client, from the calling thread, each call's timeout sent
+            along) or ``"grpcio"``; default ``FTDIST_MANAGER_RPC_CLIENT``,
+            then ``"h2"``. The grpcio channel is opened either way: it tells
+            when the server is up.
 
-    TLS follows ``FTDIST_TLS_CA`` (see :mod:`ftdist._auth`).
+    TLS follows ``FTDIST_TLS_CA`` (see :mod:`ftdist._auth`) and always goes
+    through grpcio.
 
     Raises:
-        ValueError: no address, or a malformed address or token.
+        ValueError: no address, a malformed address or token, or an unknown
+            ``rpc_client``.
         OSError: a token or TLS file cannot be read.
         CoordinationError: the server is unreachable within ``connect_timeout``.
     """
@@ -103,12 +112,16 @@ class ManagerClient:
         addr: str = "",
         connect_timeout: timedelta = timedelta(seconds=60),
         token: str | None = None,
+        *,
+        rpc_client: str | None = None,
     ) -> None:
         if not addr:
             raise ValueError("ManagerClient needs the manager server's address, host:port")
         self.addr = addr
         self._metadata = call_metadata(job_token(token))
-        self._channel = open_channel(addr, _rpc.client_channel_options(), tls_files())
+        transport = manager_rpc_client(rpc_client)
+        tls = tls_files()
+        self._channel = open_channel(addr, _rpc.client_channel_options(), tls)
         try:
             grpc.channel_ready_future(self._channel).result(
                 timeout=to_seconds(connect_timeout, "connect_timeout")
@@ -119,8 +132,17 @@ class ManagerClient:
                 f"manager server {addr} unreachable within {connect_timeout}"
             ) from None
 
+        # A grpcio unary call from Python hands the request to gRPC core's
+        # threads and waits on a completion queue: about 0.2 ms more per call
+        # than writing it from this thread, and a step of a group of several
+        # ranks makes two (bench/manager_round.py --group-size 2). The
+        # manager server's handlers wait on their deadline, so it is sent.
+        self._unary: Any = self._channel
+        if transport == "h2" and not uses_tls(addr, tls):
+            self._unary = H2Channel(_rpc.grpc_target(addr), send_timeout=True)
+
         def rpc(name: str, req: Any, resp: Any) -> Any:
-            return self._channel.unary_unary(
+            return self._unary.unary_unary(
                 f"/{_rpc.MANAGER_SERVICE}/{name}",
                 request_serializer=req.SerializeToString,
                 response_deserializer=resp.FromString,
@@ -289,7 +311,9 @@ class ManagerClient:
         self._call(self._kill_rpc, torchft_pb2.KillRequest(msg=msg), timeout, "kill")
 
     def close(self) -> None:
-        """Close the connection."""
+        """Close the connections; calls in flight fail."""
+        if self._unary is not self._channel:
+            self._unary.close()
         self._channel.close()
 
     def __enter__(self) -> ManagerClient:

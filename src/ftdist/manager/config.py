@@ -20,6 +20,7 @@ their ``TORCHFT_*`` names second, so torchft launch scripts keep working;
 | group world size | ``world_size`` | ``WORLD_SIZE`` | 1 |
 | store | ``store_addr``/``store_port`` | ``MASTER_ADDR``/``MASTER_PORT`` | a store of its own (group world size 1 only) |
 | first heal's receive reserve | — | ``FTDIST_CHECKPOINT_RECEIVE_RESERVE_MB`` | 1024 MiB (read by :mod:`ftdist.checkpointing.config`) |
+| manager client's unary calls | ``ManagerClient(rpc_client=...)`` | ``FTDIST_MANAGER_RPC_CLIENT`` | ``h2`` (see :func:`manager_rpc_client`) |
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from enum import IntEnum
 from typing import Any
 
 from ftdist._advertise import advertised_host
-from ftdist.checkpointing.config import receive_reserve_bytes
+from ftdist._rpc.common import pick_rpc_client
 from ftdist.lighthouse.config import lighthouse_address
 
 DEFAULT_TIMEOUT = timedelta(seconds=60)
@@ -70,6 +71,31 @@ def get_timeout(timeout_sec_env: str | None, default_timeout_sec: timedelta) -> 
     if timeout_sec_env:
         return timedelta(seconds=int(timeout_sec_env))
     return default_timeout_sec
+
+
+def manager_rpc_client(value: str | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """How a :class:`~ftdist.manager.client.ManagerClient` makes its calls to
+    its replica group's manager server on plaintext: ``value``, else
+    ``FTDIST_MANAGER_RPC_CLIENT``, else ``"h2"`` (ftdist's own HTTP/2 client,
+    from the calling thread); ``"grpcio"`` is a grpcio channel. Group rank 0
+    calls its own server in process either way; TLS always goes through
+    grpcio.
+
+    Raises:
+        ValueError: for anything but ``h2`` or ``grpcio`` (any case).
+    """
+    env = os.environ if environ is None else environ
+    chosen = value if value is not None else env.get("FTDIST_MANAGER_RPC_CLIENT", "h2")
+    return pick_rpc_client(chosen, "FTDIST_MANAGER_RPC_CLIENT")
+
+
+def _reserve_bytes(env: Mapping[str, str]) -> int:
+    # Imported here: the checkpointing package imports torch, and this module
+    # must not (the manager client reads its setting here, and the command
+    # line and ftdist.coordination import that client without torch).
+    from ftdist.checkpointing.config import receive_reserve_bytes
+
+    return receive_reserve_bytes(None, env)
 
 
 def extract_trailing_digits(s: str) -> int:
@@ -289,5 +315,5 @@ class ManagerConfig:
             max_retries=max_retries,
             check_consistency_every=_every,
             restart_attempt=env.get("TORCHELASTIC_RESTART_COUNT") or "0",
-            reserve=receive_reserve_bytes(None, env),
+            reserve=_reserve_bytes(env),
         )

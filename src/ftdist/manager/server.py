@@ -51,7 +51,7 @@ from ftdist.lighthouse.client import LighthouseClient
 from ftdist.lighthouse.partition import REPORT_KEY
 from ftdist.lighthouse.quorum import QUORUM_ID_KEY
 from ftdist.lighthouse.types import Quorum
-from ftdist.manager.client import ManagerClient
+from ftdist.manager.local_client import LocalManagerClient
 from ftdist.manager.reachability import unreachable_peers
 from ftdist.manager.rule import compute_quorum_results, find_divergence, heal_requests
 
@@ -60,6 +60,8 @@ logger = logging.getLogger(__name__)
 # A quorum request's fingerprint travels to the lighthouse in the member's
 # data, which the lighthouse caps at 64 KiB.
 _MAX_FINGERPRINT_BYTES = 64 * 1024
+# A call's longest wait in a handler: a week (timeouts are seconds to hours).
+_MAX_CALL_S = 7 * 24 * 3600.0
 # While this group reports unreachable peers, it probes them again this
 # often as it waits to be let back into a quorum.
 REPROBE_S = 1.0
@@ -256,9 +258,7 @@ class ManagerServer:
     def _quorum(
         self, request: torchft_pb2.ManagerQuorumRequest, context: grpc.ServicerContext
     ) -> torchft_pb2.ManagerQuorumResponse:
-        remaining = context.time_remaining()
-        if remaining is None:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "missing timeout")
+        remaining = _remaining(context)
         rank = request.group_rank
         if not 0 <= rank < self._world_size:
             context.abort(
@@ -473,6 +473,7 @@ class ManagerServer:
     def _should_commit(
         self, request: torchft_pb2.ShouldCommitRequest, context: grpc.ServicerContext
     ) -> torchft_pb2.ShouldCommitResponse:
+        remaining = _remaining(context)
         rank = request.group_rank
         if not 0 <= rank < self._world_size:
             context.abort(
@@ -494,7 +495,7 @@ class ManagerServer:
                         {r: s for r, (_, s) in votes.items()},
                     )
                 current.done.set()
-        if not current.done.wait(context.time_remaining()):
+        if not current.done.wait(remaining):
             context.abort(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"commit vote incomplete: {len(current.arrivals)} of "
@@ -513,6 +514,23 @@ class ManagerServer:
         return torchft_pb2.KillResponse()
 
 
+def _remaining(context: grpc.ServicerContext) -> float:
+    """The call's seconds left; a call without a deadline is refused.
+
+    Both handlers wait for the group's other ranks, so a call must say how
+    long. grpcio reports a call sent without one as centuries left, which
+    ``Event.wait`` cannot take ("timestamp out of range for platform time_t").
+    """
+    remaining = context.time_remaining()
+    if remaining is None or remaining > _MAX_CALL_S:
+        context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "missing timeout: send the call with a deadline (gRPC's grpc-timeout) "
+            f"of at most {_MAX_CALL_S:.0f} s",
+        )
+    return float(remaining)
+
+
 def _fingerprint_problem(fingerprint: str) -> str:
     """What is wrong with a quorum request's fingerprint ("" if nothing)."""
     if len(fingerprint) > _MAX_FINGERPRINT_BYTES:
@@ -524,75 +542,3 @@ def _fingerprint_problem(fingerprint: str) -> str:
     except (ValueError, RecursionError):
         return "fingerprint is not JSON"
     return "" if isinstance(parsed, dict) else "fingerprint is not a JSON object"
-
-
-class _LocalCallError(grpc.RpcError, grpc.Call):
-    """A status a handler aborted with, for a call that never left the process."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-    def initial_metadata(self) -> tuple[()]:
-        return ()
-
-    def trailing_metadata(self) -> tuple[()]:
-        return ()
-
-    def is_active(self) -> bool:
-        return False
-
-    def time_remaining(self) -> float:
-        return 0.0
-
-    def cancel(self) -> bool:
-        return False
-
-    def add_callback(self, callback: Any) -> bool:
-        return False
-
-
-class _LocalContext:
-    """The part of a gRPC servicer context the handlers use, for a local call."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self._deadline = time.monotonic() + timeout_s
-
-    def time_remaining(self) -> float:
-        return max(0.0, self._deadline - time.monotonic())
-
-    def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise _LocalCallError(code, details)
-
-
-class LocalManagerClient(ManagerClient):
-    """A client of a ManagerServer in this very process, without the network.
-
-    Group rank 0 hosts its replica group's server: its own calls go
-    straight to the handlers (no serialization, no loopback round trip, no
-    thread hop through gRPC), with the same validation, answers and errors.
-    """
-
-    def __init__(self, server: ManagerServer) -> None:
-        self.addr = server.address()
-        self._metadata = None
-
-        def local(handler: Any) -> Any:
-            def call(request: Any, timeout: float, metadata: Any = None) -> Any:
-                return handler(request, _LocalContext(timeout))
-
-            return call
-
-        self._quorum_rpc = local(server._quorum)
-        self._metadata_rpc = local(server._checkpoint_metadata)
-        self._commit_rpc = local(server._should_commit)
-        self._kill_rpc = local(server._kill)
-
-    def close(self) -> None:
-        """Nothing to release."""
