@@ -51,11 +51,8 @@ from ftdist._rpc.h2_call import message_prefix
 from ftdist._rpc.h2_outcome import H2RpcError, outcome
 from ftdist._rpc.hpack import Decoder, HpackError, encode
 
-__all__ = [
-    "H2Channel",
-    "H2RpcError",
-    "grpc_timeout",
-]  # the error is re-exported: callers catch it here
+# The error is re-exported: callers catch it here.
+__all__ = ["H2Channel", "H2RpcError", "grpc_timeout"]
 
 # Our receive windows (each stream's and the connection's): a response never
 # waits for a WINDOW_UPDATE from us; the connection's is topped up as it drains.
