@@ -10,7 +10,9 @@ than with torchft's Rust one against the same lighthouse (``bench/lighthouse.py
 --client ftdist``), 1.3x torchft's whole stack although the two lighthouses
 answer in the same time. Here the calling thread writes its
 request and reads its answer itself: one ``send`` and, when the server is
-quick, one ``recv`` per call.
+quick, one ``recv`` per call. The manager client (group ranks calling their
+group's manager server, twice a step) uses it too, with each call's timeout
+sent along (``send_timeout``), since that server's handlers wait on it.
 
 The model: a pool of blocking sockets. A call takes an idle connection (or
 opens one), sends its request in one write, and reads that socket until
