@@ -135,3 +135,40 @@ def test_torchft_client_without_a_token_is_refused_by_a_lighthouse_with_one(
     # Nothing was recorded, and the lighthouse serves clients that have the token.
     with LighthouseClient(server.address(), 5, token="job-s3cret") as ftdist_client:
         assert ftdist_client.status()["heartbeats"] == []
+
+
+@pytest.mark.parametrize("rpc_client", ["h2", "grpcio"])
+def test_ftdist_manager_client_talks_to_torchfts_manager_server(
+    tft: ModuleType, lh: Lighthouses, rpc_client: str
+) -> None:
+    from ftdist.manager.client import ManagerClient
+
+    server = lh.server(min_replicas=1, http_port=0)
+    manager = tft.ManagerServer(
+        replica_id="rep0",
+        lighthouse_addr=server.address(),
+        hostname="127.0.0.1",
+        bind="127.0.0.1:0",
+        store_addr="store:1",
+        world_size=1,
+        heartbeat_interval=timedelta(milliseconds=100),
+        connect_timeout=timedelta(seconds=5),
+        quorum_retries=0,
+    )
+    try:
+        with ManagerClient(manager.address(), timedelta(seconds=5), rpc_client=rpc_client) as c:
+            for step in (3, 4):
+                result = c._quorum(
+                    group_rank=0,
+                    step=step,
+                    checkpoint_metadata="meta",
+                    shrink_only=False,
+                    timeout=timedelta(seconds=TIMEOUT),
+                )
+                assert result.replica_ids == ["rep0"] and result.max_step == step
+                assert result.store_address == "store:1"
+                assert c.checkpoint_metadata(0, timedelta(seconds=TIMEOUT)) == "meta"
+                assert c.should_commit(0, step, True, timedelta(seconds=TIMEOUT)) is True
+            assert c.should_commit(0, 5, False, timedelta(seconds=TIMEOUT)) is False
+    finally:
+        manager.shutdown()
