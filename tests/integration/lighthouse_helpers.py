@@ -10,6 +10,8 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
+from types import ModuleType
 from typing import Any
 
 from ftdist.coordination import LighthouseClient, LighthouseServer, Quorum
@@ -178,3 +180,19 @@ class Heartbeater:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def torchft_manager_server(tft: ModuleType, lighthouse: str, replica_id: str) -> Any:
+    """torchft's Rust manager server for a replica group of one rank, on any free port,
+    its store advertised as ``store:1`` (``tft``: torchft's native module)."""
+    return tft.ManagerServer(
+        replica_id=replica_id,
+        lighthouse_addr=lighthouse,
+        hostname="127.0.0.1",
+        bind="127.0.0.1:0",
+        store_addr="store:1",
+        world_size=1,
+        heartbeat_interval=timedelta(milliseconds=100),
+        connect_timeout=timedelta(seconds=5),
+        quorum_retries=0,
+    )

@@ -16,7 +16,12 @@ import pytest
 
 from ftdist.errors import CoordinationError
 from ftdist.lighthouse.client import LighthouseClient
-from tests.integration.lighthouse_helpers import TIMEOUT, Lighthouses, member_ids
+from tests.integration.lighthouse_helpers import (
+    TIMEOUT,
+    Lighthouses,
+    member_ids,
+    torchft_manager_server,
+)
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.xdist_group("torchft")]
 
@@ -88,17 +93,7 @@ def test_ftdist_client_uses_torchft_lighthouse(tft: ModuleType, lh: Lighthouses)
 
 def test_torchft_manager_joins_ftdist_lighthouse(tft: ModuleType, lh: Lighthouses) -> None:
     server = lh.server(min_replicas=1, http_port=0)
-    manager = tft.ManagerServer(
-        replica_id="rep0",
-        lighthouse_addr=server.address(),
-        hostname="127.0.0.1",
-        bind="127.0.0.1:0",
-        store_addr="store:1",
-        world_size=1,
-        heartbeat_interval=timedelta(milliseconds=100),
-        connect_timeout=timedelta(seconds=5),
-        quorum_retries=0,
-    )
+    manager = torchft_manager_server(tft, server.address(), "rep0")
     try:
         client = tft.ManagerClient(manager.address(), timedelta(seconds=5))
         result = client._quorum(
@@ -144,17 +139,7 @@ def test_ftdist_manager_client_talks_to_torchfts_manager_server(
     from ftdist.manager.client import ManagerClient
 
     server = lh.server(min_replicas=1, http_port=0)
-    manager = tft.ManagerServer(
-        replica_id="rep0",
-        lighthouse_addr=server.address(),
-        hostname="127.0.0.1",
-        bind="127.0.0.1:0",
-        store_addr="store:1",
-        world_size=1,
-        heartbeat_interval=timedelta(milliseconds=100),
-        connect_timeout=timedelta(seconds=5),
-        quorum_retries=0,
-    )
+    manager = torchft_manager_server(tft, server.address(), "rep0")
     try:
         with ManagerClient(manager.address(), timedelta(seconds=5), rpc_client=rpc_client) as c:
             for step in (3, 4):

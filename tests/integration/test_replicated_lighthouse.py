@@ -37,7 +37,7 @@ from ftdist.lighthouse.local import LocalLighthouseReplicas
 from tests import _diagnostics
 from tests.etcd_fixtures import etcd_cluster  # noqa: F401
 from tests.integration.ft_training import assert_one_membership_per_quorum_id, train
-from tests.integration.lighthouse_helpers import member_ids, wait_until
+from tests.integration.lighthouse_helpers import member_ids, torchft_manager_server, wait_until
 from tests.integration.test_manager import assert_consistent
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.xdist_group("replicated-lighthouse")]
@@ -362,17 +362,7 @@ def test_torchft_clients_work_through_a_follower(replicas: LocalLighthouseReplic
     # The quorum is the leader's: it recorded it and sees the heartbeat.
     status = replicas.status(leader)
     assert status is not None and status["quorum_id"] == quorum.quorum_id
-    manager = tft.ManagerServer(
-        replica_id="tft-manager",
-        lighthouse_addr=replicas.addresses[follower],
-        hostname="127.0.0.1",
-        bind="127.0.0.1:0",
-        store_addr="store:1",
-        world_size=1,
-        heartbeat_interval=timedelta(milliseconds=100),
-        connect_timeout=timedelta(seconds=5),
-        quorum_retries=0,
-    )
+    manager = torchft_manager_server(tft, replicas.addresses[follower], "tft-manager")
     try:
         manager_client = tft.ManagerClient(manager.address(), timedelta(seconds=5))
         result = manager_client._quorum(
