@@ -305,7 +305,7 @@ def test_a_call_without_a_deadline_is_refused_and_the_server_serves_on(
 
 
 def test_an_unknown_client_transport_is_refused_before_connecting() -> None:
-    began = time.monotonic()
+    # Nothing listens there: a check made after the connect wait would end
+    # in CoordinationError ("unreachable"), not this ValueError.
     with pytest.raises(ValueError, match=r"rpc_client \('tonic'\).*FTDIST_MANAGER_RPC_CLIENT"):
-        ManagerClient("127.0.0.1:1", timedelta(seconds=30), rpc_client="tonic")
-    assert time.monotonic() - began < 10, "it waited for a server first"
+        ManagerClient("127.0.0.1:1", timedelta(seconds=2), rpc_client="tonic")

@@ -21,6 +21,7 @@ import grpc
 
 from ftdist._auth import METADATA_KEY, TlsFiles, bearer, refusal
 from ftdist._rpc.common import grpc_target
+from ftdist._rpc.h2_client import H2Channel
 
 __all__ = [
     "TokenInterceptor",
@@ -28,6 +29,7 @@ __all__ = [
     "metadata_refusal",
     "open_channel",
     "server_credentials",
+    "unary_calls",
     "uses_tls",
 ]
 
@@ -69,6 +71,26 @@ def _is_tls_address(address: str) -> bool:
 def uses_tls(address: str, tls: TlsFiles) -> bool:
     """Whether :func:`open_channel` opens ``address`` with TLS under ``tls``."""
     return tls.ca is not None or _is_tls_address(address)
+
+
+def unary_calls(
+    channel: grpc.Channel, address: str, tls: TlsFiles, rpc_client: str, *, send_timeout: bool
+) -> Any:
+    """What a client makes its unary calls on: an :class:`H2Channel` to
+    ``address`` when ``rpc_client`` is ``"h2"`` and the address is plaintext,
+    else ``channel`` itself (TLS always goes through grpcio). Either has
+    grpcio's ``unary_unary``; close the first as well as ``channel``.
+
+    Args:
+        channel: the client's grpcio channel to ``address``.
+        address: the server's address.
+        tls: the client's TLS settings.
+        rpc_client: ``"h2"`` or ``"grpcio"`` (already checked).
+        send_timeout: send each call's timeout (see :class:`H2Channel`).
+    """
+    if rpc_client == "h2" and not uses_tls(address, tls):
+        return H2Channel(grpc_target(address), send_timeout=send_timeout)
+    return channel
 
 
 def open_channel(address: str, options: list[tuple[str, Any]], tls: TlsFiles) -> grpc.Channel:

@@ -21,8 +21,7 @@ from typing import Any
 
 from ftdist._rpc import common as _rpc
 from ftdist._rpc._proto import ftdist_pb2, torchft_pb2
-from ftdist._rpc.auth import open_channel, uses_tls
-from ftdist._rpc.h2_client import H2Channel
+from ftdist._rpc.auth import open_channel, unary_calls
 
 __all__ = ["Connection"]
 
@@ -49,8 +48,9 @@ class Connection:
             )
         options = [(k, v) for k, v in _rpc.client_channel_options() if k not in extra]
         self.channel = open_channel(addr, [*options, *extra.items()], tls)
-        plain_h2 = rpc_client == "h2" and not uses_tls(addr, tls)
-        self._unary: Any = H2Channel(_rpc.grpc_target(addr)) if plain_h2 else self.channel
+        # No grpc-timeout: both lighthouses take a closed connection as the
+        # cancel, and the header block stays cacheable.
+        self._unary: Any = unary_calls(self.channel, addr, tls, rpc_client, send_timeout=False)
         # When this connection last showed it works (connected, or answered).
         self.alive_at = float("-inf")
         self.quorum = self._unary.unary_unary(

@@ -13,8 +13,7 @@ from ftdist._auth import job_token, tls_files
 from ftdist._durations import to_seconds
 from ftdist._rpc import common as _rpc
 from ftdist._rpc._proto import torchft_pb2
-from ftdist._rpc.auth import call_metadata, open_channel, uses_tls
-from ftdist._rpc.h2_client import H2Channel
+from ftdist._rpc.auth import call_metadata, open_channel, unary_calls
 from ftdist.errors import CoordinationError
 from ftdist.manager.config import manager_rpc_client
 from ftdist.manager.rule import QuorumResult
@@ -137,9 +136,7 @@ class ManagerClient:
         # than writing it from this thread, and a step of a group of several
         # ranks makes two (bench/manager_round.py --group-size 2). The
         # manager server's handlers wait on their deadline, so it is sent.
-        self._unary: Any = self._channel
-        if transport == "h2" and not uses_tls(addr, tls):
-            self._unary = H2Channel(_rpc.grpc_target(addr), send_timeout=True)
+        self._unary: Any = unary_calls(self._channel, addr, tls, transport, send_timeout=True)
 
         def rpc(name: str, req: Any, resp: Any) -> Any:
             return self._unary.unary_unary(
