@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -25,8 +26,9 @@ def lighthouse(lh: Lighthouses) -> LighthouseServer:
     return lh.server(join_timeout_ms=100)
 
 
-@pytest.fixture
-def server(lighthouse: LighthouseServer) -> Iterator[ManagerServer]:
+# Every test that takes this fixture runs on both of the server's gRPC servers.
+@pytest.fixture(params=["h2", "grpcio"])
+def server(lighthouse: LighthouseServer, request: pytest.FixtureRequest) -> Iterator[ManagerServer]:
     manager = ManagerServer(
         "rep:uuid",
         lighthouse.address(),
@@ -36,6 +38,7 @@ def server(lighthouse: LighthouseServer) -> Iterator[ManagerServer]:
         world_size=2,
         heartbeat_interval=timedelta(milliseconds=100),
         connect_timeout=T,
+        rpc_server=request.param,
     )
     yield manager
     manager.shutdown()
@@ -309,3 +312,131 @@ def test_an_unknown_client_transport_is_refused_before_connecting() -> None:
     # in CoordinationError ("unreachable"), not this ValueError.
     with pytest.raises(ValueError, match=r"rpc_client \('tonic'\).*FTDIST_MANAGER_RPC_CLIENT"):
         ManagerClient("127.0.0.1:1", timedelta(seconds=2), rpc_client="tonic")
+
+
+def _raw_call(
+    port: int, method: str, request: bytes, grpc_timeout: str
+) -> tuple[float, dict[str, str]]:
+    """One call over hand-written HTTP/2 that sends ``grpc-timeout`` but never
+    gives up on its own (unlike every gRPC client): the seconds until the
+    server ended it, and the fields of its last header block."""
+    from tests.integration import h2_wire as w
+
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+        headers = w.request_headers(port, method) + w.literal("grpc-timeout", grpc_timeout)
+        body = b"\0" + len(request).to_bytes(4, "big") + request
+        sock.sendall(
+            w.PREFACE
+            + w.frame(w.SETTINGS, 0, 0)
+            + w.frame(w.HEADERS, w.END_HEADERS, 1, headers)
+            + w.frame(w.DATA, w.END_STREAM, 1, body)
+        )
+        start = time.monotonic()
+        reader = w.Reader(sock)
+        while True:
+            kind, flags, stream, payload = reader.frame()
+            if kind == w.HEADERS and stream == 1 and flags & w.END_STREAM:
+                return time.monotonic() - start, _literal_fields(payload)
+
+
+def _literal_fields(block: bytes) -> dict[str, str]:
+    """The fields of a header block of literals with new names, no Huffman
+    coding and lengths below 127: what this server's error trailers are."""
+    fields: dict[str, str] = {}
+    at = 0
+    while at < len(block):
+        assert block[at] == 0, f"not a plain literal at {at}: {block!r}"
+        name_len = block[at + 1]
+        name = block[at + 2 : at + 2 + name_len].decode()
+        at += 2 + name_len
+        value_len = block[at]
+        fields[name] = block[at + 1 : at + 1 + value_len].decode()
+        at += 1 + value_len
+    return fields
+
+
+def test_a_parked_call_past_its_deadline_is_told_what_the_round_lacks() -> None:
+    # A client that never gives up on its own still gets an answer at its
+    # deadline (the server checks parked calls every 100 ms), naming what the
+    # round lacks, and the server serves on.
+    from ftdist._rpc import common as rpc
+    from ftdist._rpc._proto import torchft_pb2 as pb
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, http_port=-1)
+    server = ManagerServer(
+        "rep:uuid",
+        lighthouse.address(),
+        "127.0.0.1",
+        "127.0.0.1:0",
+        "127.0.0.1:1234",
+        world_size=2,
+        heartbeat_interval=timedelta(milliseconds=100),
+        connect_timeout=T,
+        rpc_server="h2",
+    )
+    try:
+        port = int(server.address().rsplit(":", 1)[1])
+        ask = pb.ManagerQuorumRequest(group_rank=1, step=3).SerializeToString()
+        waited, fields = _raw_call(port, rpc.MANAGER_QUORUM, ask, "300m")
+        assert fields.get("grpc-status") == "4", fields  # DEADLINE_EXCEEDED
+        assert "quorum did not complete: 1 of 2 group ranks arrived" in fields["grpc-message"]
+        assert waited > 0.25, waited  # not before its deadline
+        vote = pb.ShouldCommitRequest(group_rank=1, step=3, should_commit=True)
+        _, fields = _raw_call(port, rpc.MANAGER_SHOULD_COMMIT, vote.SerializeToString(), "200m")
+        assert "commit vote incomplete: 1 of 2 group ranks voted" in fields["grpc-message"]
+        with ManagerClient(server.address(), T) as c:
+            assert c.checkpoint_metadata(1, T) == ""
+            # The expired vote still counts, as a vote that timed out always
+            # did: this round completes with rank 0's.
+            assert c.should_commit(0, 3, True, T) is True
+    finally:
+        server.shutdown()
+        lighthouse.shutdown()
+
+
+def test_shutdown_answers_every_parked_call_at_once(server: ManagerServer) -> None:
+    with ManagerClient(server.address(), T) as c:
+        results: list[Any] = []
+        waiter = threading.Thread(
+            target=lambda: results.extend(_in_threads(lambda: c.should_commit(1, 5, True, T)))
+        )
+        waiter.start()
+        end = time.monotonic() + 10
+        while not server._commit_round.arrivals and time.monotonic() < end:
+            time.sleep(0.01)  # until the vote is parked at the server
+        server.shutdown()
+        waiter.join(timeout=20)
+        # The server's answer, not the client's own deadline (a timeout error).
+        assert len(results) == 1 and isinstance(results[0], CoordinationError), results
+        assert not isinstance(results[0], CoordinationTimeoutError), results[0]
+        assert "shutting down" in str(results[0]), results[0]
+
+
+def test_an_unknown_server_kind_or_a_taken_port_is_refused_clearly(
+    lighthouse: LighthouseServer,
+) -> None:
+    def make(bind: str, rpc_server: str | None) -> ManagerServer:
+        return ManagerServer(
+            "rep:uuid",
+            lighthouse.address(),
+            "127.0.0.1",
+            bind,
+            "127.0.0.1:1234",
+            world_size=1,
+            heartbeat_interval=timedelta(milliseconds=100),
+            connect_timeout=T,
+            rpc_server=rpc_server,
+        )
+
+    with pytest.raises(ValueError, match=r"rpc_server \('tonic'\).*FTDIST_MANAGER_RPC_SERVER"):
+        make("127.0.0.1:0", "tonic")
+    first = make("127.0.0.1:0", None)
+    try:
+        taken = first.address().rsplit(":", 1)[1]
+        for kind in ("h2", "grpcio"):
+            with pytest.raises(
+                OSError, match=f"cannot bind the manager server to 127.0.0.1:{taken}"
+            ):
+                make(f"127.0.0.1:{taken}", kind)
+    finally:
+        first.shutdown()

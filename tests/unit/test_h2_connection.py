@@ -241,3 +241,33 @@ def test_grpc_timeout_is_never_shorter_than_asked_and_fits_the_spec(seconds: flo
     assert told >= min(seconds, cap) * (1 - 1e-12) and told >= 1e-6, (seconds, value)
     # Rounded up by less than one of its unit, except past the largest value.
     assert seconds > cap or told - seconds < _UNIT_SECONDS[unit] * (1 + 1e-9), (seconds, value)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 99_999_999), st.sampled_from(sorted(_UNIT_SECONDS)))
+def test_a_servers_reading_of_grpc_timeout_is_the_grammars(count: int, unit: bytes) -> None:
+    from ftdist._rpc.h2_call import parse_grpc_timeout
+
+    for digits in {str(count).encode(), str(count).zfill(8).encode()}:
+        seconds = parse_grpc_timeout(digits + unit)
+        assert seconds is not None and seconds == pytest.approx(count * _UNIT_SECONDS[unit])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=12))
+def test_anything_outside_the_grammar_reads_as_no_timeout(value: bytes) -> None:
+    from ftdist._rpc.h2_call import parse_grpc_timeout
+
+    digits, unit = value[:-1], value[-1:]
+    valid = 1 <= len(digits) <= 8 and digits.isdigit() and unit in _UNIT_SECONDS
+    assert (parse_grpc_timeout(value) is not None) == valid, value
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(1e-6, 1e9, allow_nan=False))
+def test_what_the_client_sends_the_server_reads_back_no_shorter(seconds: float) -> None:
+    from ftdist._rpc.h2_call import parse_grpc_timeout
+    from ftdist._rpc.h2_client import grpc_timeout
+
+    read = parse_grpc_timeout(grpc_timeout(seconds))
+    assert read is not None and read >= seconds * (1 - 1e-9), (seconds, read)

@@ -72,3 +72,14 @@ def test_manager_rpc_client_choice() -> None:
     assert manager_rpc_client("h2", environ=env) == "h2"
     with pytest.raises(ValueError, match=r"rpc_client \('tonic'\).*FTDIST_MANAGER_RPC_CLIENT"):
         manager_rpc_client(environ={"FTDIST_MANAGER_RPC_CLIENT": "tonic"})
+
+
+def test_manager_rpc_server_choice() -> None:
+    from ftdist.manager.config import manager_rpc_server
+
+    assert manager_rpc_server(environ={}) == "h2"
+    env = {"FTDIST_MANAGER_RPC_SERVER": " GRPCIO "}
+    assert manager_rpc_server(environ=env) == "grpcio"
+    assert manager_rpc_server("h2", environ=env) == "h2"
+    with pytest.raises(ValueError, match=r"rpc_server \('tonic'\).*FTDIST_MANAGER_RPC_SERVER"):
+        manager_rpc_server(environ={"FTDIST_MANAGER_RPC_SERVER": "tonic"})

@@ -17,8 +17,9 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import grpc
+from google.protobuf.message import DecodeError
 
-__all__ = ["RpcServer", "ServerCall", "handler_for", "run_handler"]
+__all__ = ["RpcServer", "ServerCall", "decode_request", "handler_for", "run_handler"]
 
 logger = logging.getLogger("ftdist.rpc")
 
@@ -61,6 +62,9 @@ class ServerCall(Protocol):
 
     def metadata_value(self, key: str) -> str | None:
         """One invocation metadata value, or None."""
+
+    def time_remaining(self) -> float | None:
+        """Seconds until the client's deadline (0 once past); None without one."""
 
 
 class RpcServer(Protocol):
@@ -118,4 +122,20 @@ def run_handler(handler: Callable[[Any, bytes], None], call: ServerCall, request
         handler(call, request)
     except Exception as exc:
         logger.exception("handler of %s failed", call.method)
-        call.abort(grpc.StatusCode.INTERNAL, f"internal lighthouse error: {exc!r}")
+        call.abort(grpc.StatusCode.INTERNAL, f"internal server error in {call.method}: {exc!r}")
+
+
+def decode_request(call: ServerCall, message_type: Any, request: bytes) -> Any:
+    """``request`` parsed as ``message_type``; None after aborting the call.
+
+    A malformed request is the client's error: INVALID_ARGUMENT naming the
+    expected message, and the server goes on.
+    """
+    try:
+        return message_type.FromString(request)
+    except DecodeError:
+        call.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"request is not a valid {message_type.DESCRIPTOR.full_name}",
+        )
+        return None

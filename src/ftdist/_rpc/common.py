@@ -66,12 +66,16 @@ NOT_LEADER_PREFIX = "not the leader"
 RPC_CLIENTS = ("h2", "grpcio")
 
 
-def pick_rpc_client(chosen: str, variable: str) -> str:
+def pick_rpc_client(chosen: str, variable: str, name: str = "rpc_client") -> str:
     """``chosen`` (a setting's value) as one of :data:`RPC_CLIENTS`.
+
+    Servers pick between the same two (ftdist's own HTTP/2 server or
+    grpcio's core), so their settings are checked here too.
 
     Args:
         chosen: the argument's or the environment's value, any case.
         variable: the environment variable that sets it, named in the error.
+        name: the argument that sets it, named in the error.
 
     Raises:
         ValueError: for anything but ``h2`` or ``grpcio``.
@@ -79,7 +83,7 @@ def pick_rpc_client(chosen: str, variable: str) -> str:
     picked = chosen.strip().lower()
     if picked not in RPC_CLIENTS:
         raise ValueError(
-            f"rpc_client ({chosen!r}) must be one of {', '.join(RPC_CLIENTS)}; "
+            f"{name} ({chosen!r}) must be one of {', '.join(RPC_CLIENTS)}; "
             f"set {variable}=h2 (the default) or grpcio"
         )
     return picked

@@ -24,7 +24,14 @@ import grpc
 
 from ftdist._rpc import h2, hpack
 
-__all__ = ["RESERVED_METADATA", "Connection", "H2Call", "decode_metadata", "message_prefix"]
+__all__ = [
+    "RESERVED_METADATA",
+    "Connection",
+    "H2Call",
+    "decode_metadata",
+    "message_prefix",
+    "parse_grpc_timeout",
+]
 
 logger = logging.getLogger("ftdist.rpc")
 
@@ -36,6 +43,21 @@ RESERVED_METADATA = frozenset(
 )
 message_prefix = struct.Struct(">BI")
 """A gRPC message's prefix: compressed flag, length."""
+
+
+# Seconds per grpc-timeout unit (gRPC over HTTP/2: hours, minutes, seconds,
+# milli-, micro-, nanoseconds).
+_TIMEOUT_UNITS = {72: 3600.0, 77: 60.0, 83: 1.0, 109: 1e-3, 117: 1e-6, 110: 1e-9}
+
+
+def parse_grpc_timeout(value: bytes) -> float | None:
+    """A ``grpc-timeout`` header's seconds: 1 to 8 digits and a unit
+    (``H M S m u n``); None for anything else."""
+    per = _TIMEOUT_UNITS.get(value[-1]) if value else None
+    digits = value[:-1]
+    if per is None or not 1 <= len(digits) <= 8 or not digits.isdigit():
+        return None
+    return int(digits) * per
 
 
 def _percent_encode(details: str) -> bytes:
@@ -86,6 +108,8 @@ class H2Call:
         done: the call has been answered (or its client went away).
         cancelled: its client cancelled it, disconnected or reset the stream.
         stream_id: its HTTP/2 stream.
+        deadline: when the client gives up, ``time.monotonic()``-based, from
+            its ``grpc-timeout``; None when it sent none (or a malformed one).
     """
 
     __slots__ = (
@@ -93,6 +117,7 @@ class H2Call:
         "_headers_sent",
         "_on_cancel",
         "cancelled",
+        "deadline",
         "done",
         "handler",
         "metadata",
@@ -102,9 +127,15 @@ class H2Call:
     )
 
     def __init__(
-        self, conn: Connection, sid: int, method: str, metadata: tuple[tuple[str, Any], ...]
+        self,
+        conn: Connection,
+        sid: int,
+        method: str,
+        metadata: tuple[tuple[str, Any], ...],
+        deadline: float | None = None,
     ) -> None:
         self._conn = conn
+        self.deadline = deadline
         self.stream_id = sid
         self.method = method
         self.metadata = metadata
@@ -170,6 +201,12 @@ class H2Call:
             callback()
             return
         self._on_cancel = callback
+
+    def time_remaining(self) -> float | None:
+        """Seconds until the client's deadline (0 once past); None without one."""
+        if self.deadline is None:
+            return None
+        return max(0.0, self.deadline - time.monotonic())
 
     def metadata_value(self, key: str) -> str | None:
         """The value of one invocation metadata key, or None when absent."""

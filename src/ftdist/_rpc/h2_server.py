@@ -2,9 +2,10 @@
 A gRPC server on HTTP/2 written here, one thread, no grpcio underneath
 ======================================================================
 
-The lighthouse answers two calls per replica group and round. grpcio's core
-spends about 140 us of CPU on each (three completion-queue events, hand-offs
-between its EventEngine threads and the thread that runs the handler), where
+The lighthouse answers two calls per replica group and round, the manager
+server two per group rank and step. grpcio's core spends about 140 us of CPU
+on each (three completion-queue events, hand-offs between its EventEngine
+threads and the thread that runs the handler), where
 torchft's Rust lighthouse spends about 50; at 2 replica groups that was a
 quorum round 1.3x as long as torchft's. This server reads each socket on the
 thread that runs the handlers, decodes HTTP/2 frames (:mod:`ftdist._rpc.h2`)
@@ -23,6 +24,8 @@ ends its connection (never the server). Idle connections are pinged every
 30 s and closed when a ping goes 10 s unanswered, so a peer that vanished
 frees its parked calls. Deadlines are the client's to enforce: gRPC clients
 reset a stream whose deadline passed, and the reset cancels the call here.
+A call's ``grpc-timeout`` is read into :attr:`H2Call.deadline` for handlers
+that wait on it (the manager server answers a parked call that outlived it).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from ftdist._rpc.h2_call import (
     H2Call,
     decode_metadata,
     message_prefix,
+    parse_grpc_timeout,
 )
 from ftdist._rpc.poller import READ, WRITE, Poller
 from ftdist._rpc.schedule import Schedule
@@ -374,13 +378,17 @@ class H2Server:
     def _new_call(self, conn: Connection, event: h2.HeadersReceived) -> None:
         path = b""
         metadata: list[tuple[str, Any]] = []
+        deadline = None
         for name, value in event.headers:
             if name == b":path":
                 path = value
+            elif name == b"grpc-timeout":
+                timeout = parse_grpc_timeout(value)
+                deadline = None if timeout is None else time.monotonic() + timeout
             elif name[:1] != b":" and name not in RESERVED_METADATA:
                 metadata.append((name.decode("latin-1"), decode_metadata(name, value)))
         method = path.decode("utf-8", "replace")
-        call = H2Call(conn, event.stream_id, method, tuple(metadata))
+        call = H2Call(conn, event.stream_id, method, tuple(metadata), deadline)
         if self._stopping:
             call.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
             return

@@ -51,14 +51,13 @@ from datetime import timedelta
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from ftdist._advertise import advertised_host
 from ftdist._auth import tls_files, warn_if_open
 from ftdist._rpc import common as _rpc
 from ftdist._rpc._proto import ftdist_pb2, torchft_pb2
 from ftdist._rpc.auth import call_metadata, metadata_refusal, server_credentials
-from ftdist._rpc.call import RpcServer, ServerCall
+from ftdist._rpc.call import RpcServer, ServerCall, decode_request
 from ftdist._rpc.cq_server import CompletionQueueServer
 from ftdist._rpc.h2_server import H2Server
 from ftdist._rpc.kill import kill_manager
@@ -113,22 +112,6 @@ class _EventStream:
 
     def close(self) -> None:
         self.rpc.abort(grpc.StatusCode.UNAVAILABLE, _CLOSING)
-
-
-def _decode(rpc: ServerCall, message_type: Any, request: bytes) -> Any:
-    """``request`` parsed as ``message_type``; None after aborting the call.
-
-    A malformed request is the client's error: INVALID_ARGUMENT naming the
-    expected message, and the server goes on.
-    """
-    try:
-        return message_type.FromString(request)
-    except DecodeError:
-        rpc.abort(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"request is not a valid {message_type.DESCRIPTOR.full_name}",
-        )
-        return None
 
 
 class LighthouseServer:
@@ -386,7 +369,7 @@ class LighthouseServer:
     def _handle_quorum(self, rpc: ServerCall, request: bytes) -> None:
         if self._elsewhere(rpc, request, forward=True):
             return
-        message = _decode(rpc, torchft_pb2.LighthouseQuorumRequest, request)
+        message = decode_request(rpc, torchft_pb2.LighthouseQuorumRequest, request)
         if message is None:
             return
         if not message.HasField("requester"):
@@ -470,7 +453,7 @@ class LighthouseServer:
     def _handle_heartbeat(self, rpc: ServerCall, request: bytes) -> None:
         if self._elsewhere(rpc, request, forward=True):
             return
-        message = _decode(rpc, torchft_pb2.LighthouseHeartbeatRequest, request)
+        message = decode_request(rpc, torchft_pb2.LighthouseHeartbeatRequest, request)
         if message is None:
             return
         replica_id = message.replica_id
@@ -501,7 +484,7 @@ class LighthouseServer:
     def _handle_subscribe(self, rpc: ServerCall, request: bytes) -> None:
         if self._elsewhere(rpc, request, forward=False):
             return
-        message = _decode(rpc, ftdist_pb2.SubscribeRequest, request)
+        message = decode_request(rpc, ftdist_pb2.SubscribeRequest, request)
         if message is None:
             return
         if too_long(message.replica_id, MAX_FIELD_BYTES):
@@ -535,7 +518,7 @@ class LighthouseServer:
         engine.stream_opened(replica_id, listener)
 
     def _handle_status(self, rpc: ServerCall, request: bytes) -> None:
-        if _decode(rpc, ftdist_pb2.StatusRequest, request) is None:
+        if decode_request(rpc, ftdist_pb2.StatusRequest, request) is None:
             return
         # Handlers run on the server thread, which is the engine's loop, as
         # build_status requires.
@@ -546,7 +529,7 @@ class LighthouseServer:
     def _handle_leave(self, rpc: ServerCall, request: bytes) -> None:
         if self._elsewhere(rpc, request, forward=True):
             return
-        message = _decode(rpc, ftdist_pb2.LeaveRequest, request)
+        message = decode_request(rpc, ftdist_pb2.LeaveRequest, request)
         if message is None:
             return
         replica_id = message.replica_id
@@ -562,7 +545,7 @@ class LighthouseServer:
     def _handle_report_heal(self, rpc: ServerCall, request: bytes) -> None:
         if self._elsewhere(rpc, request, forward=False):
             return
-        report = _decode(rpc, ftdist_pb2.HealReport, request)
+        report = decode_request(rpc, ftdist_pb2.HealReport, request)
         if report is None:
             return
         problem = record_heal_report(self._history, time.time(), report)

@@ -21,6 +21,7 @@ their ``TORCHFT_*`` names second, so torchft launch scripts keep working;
 | store | ``store_addr``/``store_port`` | ``MASTER_ADDR``/``MASTER_PORT`` | a store of its own (group world size 1 only) |
 | first heal's receive reserve | — | ``FTDIST_CHECKPOINT_RECEIVE_RESERVE_MB`` | 1024 MiB (read by :mod:`ftdist.checkpointing.config`) |
 | manager client's unary calls | ``ManagerClient(rpc_client=...)`` | ``FTDIST_MANAGER_RPC_CLIENT`` | ``h2`` (see :func:`manager_rpc_client`) |
+| manager server's gRPC server | ``ManagerServer(rpc_server=...)`` | ``FTDIST_MANAGER_RPC_SERVER`` | ``h2`` (see :func:`manager_rpc_server`) |
 """
 
 from __future__ import annotations
@@ -87,6 +88,20 @@ def manager_rpc_client(value: str | None = None, environ: Mapping[str, str] | No
     env = os.environ if environ is None else environ
     chosen = value if value is not None else env.get("FTDIST_MANAGER_RPC_CLIENT", "h2")
     return pick_rpc_client(chosen, "FTDIST_MANAGER_RPC_CLIENT")
+
+
+def manager_rpc_server(value: str | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """Which gRPC server a :class:`~ftdist.manager.server.ManagerServer`
+    runs on plaintext: ``value``, else ``FTDIST_MANAGER_RPC_SERVER``, else
+    ``"h2"`` (ftdist's own HTTP/2 server, one thread); ``"grpcio"`` is
+    grpcio's core. TLS always runs on grpcio's core.
+
+    Raises:
+        ValueError: for anything but ``h2`` or ``grpcio`` (any case).
+    """
+    env = os.environ if environ is None else environ
+    chosen = value if value is not None else env.get("FTDIST_MANAGER_RPC_SERVER", "h2")
+    return pick_rpc_client(chosen, "FTDIST_MANAGER_RPC_SERVER", "rpc_server")
 
 
 def _reserve_bytes(env: Mapping[str, str]) -> int:

@@ -12,7 +12,7 @@ shape a remote call raises, so the Manager handles both alike.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 
@@ -21,7 +21,7 @@ from ftdist.manager.client import ManagerClient
 if TYPE_CHECKING:
     from ftdist.manager.server import ManagerServer
 
-__all__ = ["LocalManagerClient"]
+__all__ = ["LocalContext", "LocalManagerClient"]
 
 
 class _LocalCallError(grpc.RpcError, grpc.Call):
@@ -56,7 +56,7 @@ class _LocalCallError(grpc.RpcError, grpc.Call):
         return False
 
 
-class _LocalContext:
+class LocalContext:
     """The part of a gRPC servicer context the handlers use, for a local call."""
 
     def __init__(self, timeout_s: float) -> None:
@@ -65,7 +65,7 @@ class _LocalContext:
     def time_remaining(self) -> float:
         return max(0.0, self._deadline - time.monotonic())
 
-    def abort(self, code: grpc.StatusCode, details: str) -> None:
+    def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
         raise _LocalCallError(code, details)
 
 
@@ -83,7 +83,7 @@ class LocalManagerClient(ManagerClient):
 
         def local(handler: Any) -> Any:
             def call(request: Any, timeout: float, metadata: Any = None) -> Any:
-                return handler(request, _LocalContext(timeout))
+                return handler(request, LocalContext(timeout))
 
             return call
 

@@ -20,8 +20,14 @@ whole group heals again; votes on different steps never commit. Replicas
 whose consistency fingerprints disagree with the majority's
 (:func:`~ftdist.manager.rule.find_divergence`) heal from it.
 
-Calls are few (a handful per rank per step), so each call is served on a
-thread of a pool and simply waits for its round to finish.
+Every call is served on one thread: ftdist's own HTTP/2 server
+(:mod:`ftdist._rpc.h2_server`), or grpcio's core over TLS or with
+``FTDIST_MANAGER_RPC_SERVER=grpcio``. A call waiting for the rest of its
+group is parked there, not a blocked thread: with grpcio's thread-pool server
+each call cost about 0.37 ms more per round trip in thread hand-offs. Group
+rank 0 calls in process (:mod:`~ftdist.manager.local_client`) and waits on
+its own thread. The lighthouse call runs on the thread of the group's last
+rank to arrive: rank 0's own, or a worker when the last is a remote rank.
 
 With a job token (:mod:`ftdist._auth`) every call must carry it, ``Kill``
 included; the others are answered UNAUTHENTICATED before any handler runs.
@@ -30,11 +36,13 @@ With ``FTDIST_TLS_CERT``/``FTDIST_TLS_KEY`` the port serves TLS.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -45,15 +53,21 @@ import grpc
 from ftdist._auth import job_token, tls_files, warn_if_open
 from ftdist._rpc import common as _rpc
 from ftdist._rpc._proto import torchft_pb2
-from ftdist._rpc.auth import TokenInterceptor, server_credentials
-from ftdist.errors import CoordinationTimeoutError
+from ftdist._rpc.auth import metadata_refusal, server_credentials
+from ftdist._rpc.call import RpcServer, ServerCall, decode_request
+from ftdist._rpc.cq_server import CompletionQueueServer
+from ftdist._rpc.h2_server import H2Server
 from ftdist.lighthouse.client import LighthouseClient
-from ftdist.lighthouse.partition import REPORT_KEY
-from ftdist.lighthouse.quorum import QUORUM_ID_KEY
 from ftdist.lighthouse.types import Quorum
-from ftdist.manager.local_client import LocalManagerClient
-from ftdist.manager.reachability import unreachable_peers
-from ftdist.manager.rule import compute_quorum_results, find_divergence, heal_requests
+from ftdist.manager.config import manager_rpc_server
+from ftdist.manager.lighthouse_link import LighthouseLink, QuorumFailed
+from ftdist.manager.local_client import LocalContext, LocalManagerClient
+from ftdist.manager.rule import (
+    QuorumResult,
+    compute_quorum_results,
+    find_divergence,
+    heal_requests,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +76,13 @@ logger = logging.getLogger(__name__)
 _MAX_FINGERPRINT_BYTES = 64 * 1024
 # A call's longest wait in a handler: a week (timeouts are seconds to hours).
 _MAX_CALL_S = 7 * 24 * 3600.0
-# While this group reports unreachable peers, it probes them again this
-# often as it waits to be let back into a quorum.
-REPROBE_S = 1.0
-# Leaving must not hold up a process that is exiting.
-_LEAVE_TIMEOUT_S = 2.0
-# A heal report is news for the dashboard, never worth waiting for.
-_REPORT_TIMEOUT_S = 2.0
+# How often parked calls are checked against their deadlines. Clients give
+# up at their own deadline (and reset the call); this frees the calls of
+# clients that do not, and answers with what the round still lacks when the
+# server's check comes first.
+_EXPIRY_CHECK_S = 0.1
+# Calls still parked at shutdown get their UNAVAILABLE within this grace.
+_STOP_GRACE_S = 1.0
 
 
 @dataclass
@@ -83,6 +97,12 @@ class _Round:
     diverged: frozenset[str] = frozenset()
     decision: bool = False
     error: tuple[grpc.StatusCode, str] | None = None
+    # Remote calls waiting for the round: (group rank, request, call). Only
+    # the server thread appends and answers; every append comes before the
+    # round completes (the last arrival completes it).
+    parked: list[tuple[int, Any, ServerCall]] = field(default_factory=list)
+    # Every group rank's result, by the requester's init_sync (computed once).
+    results: dict[bool, list[QuorumResult] | LookupError] = field(default_factory=dict)
 
 
 class ManagerServer:
@@ -101,9 +121,13 @@ class ManagerServer:
         token: the job token every call must carry, also sent to the
             lighthouse (default ``FTDIST_JOB_TOKEN``, then
             ``FTDIST_JOB_TOKEN_FILE``; none: open).
+        rpc_server: on plaintext, ``"h2"`` (ftdist's own HTTP/2 server) or
+            ``"grpcio"`` (grpcio's core); default ``FTDIST_MANAGER_RPC_SERVER``,
+            then ``"h2"``. TLS always runs on grpcio's core.
 
     Raises:
-        ValueError: ``world_size < 1``, a malformed address or token.
+        ValueError: ``world_size < 1``, a malformed address or token, an
+            unknown ``rpc_server``.
         CoordinationError: the lighthouse is unreachable within ``connect_timeout``.
         OSError: ``bind`` cannot be bound, or a token or TLS file cannot be read.
     """
@@ -120,79 +144,77 @@ class ManagerServer:
         connect_timeout: timedelta,
         quorum_retries: int = 0,
         token: str | None = None,
+        *,
+        rpc_server: str | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        server_kind = manager_rpc_server(rpc_server)
         token = job_token(token)
         credentials = server_credentials(tls_files())
         self._replica_id = replica_id
         self._hostname = hostname
-        self._store_addr = store_addr
         self._world_size = world_size
-        self._heartbeat_s = heartbeat_interval.total_seconds()
-        self._quorum_retries = quorum_retries
-        self._lighthouse = LighthouseClient(lighthouse_addr, connect_timeout, token=token)
+        lighthouse = LighthouseClient(lighthouse_addr, connect_timeout, token=token)
         self._lock = threading.Lock()
         self._quorum_round = _Round()
         self._commit_round = _Round()
         self._metadata: dict[int, str] = {}
         self._stopped = threading.Event()
-        # The other members of the last quorum (replica id to manager
-        # address), and those of them this group last found unreachable.
-        self._peers: dict[str, str] = {}
-        self._unreachable: dict[str, str] = {}
-        # The highest quorum id this group used, told to the lighthouse: one
-        # that restarted goes on above it instead of giving out ids again.
-        self._quorum_id_seen = 0
-
-        self._pool = ThreadPoolExecutor(
-            max_workers=2 * world_size + 8, thread_name_prefix="ftdist-mgr"
+        self._port = 0
+        self._link = LighthouseLink(
+            lighthouse,
+            replica_id,
+            self.address,
+            store_addr,
+            world_size,
+            heartbeat_interval.total_seconds(),
+            quorum_retries,
         )
-        self._server = grpc.server(
-            self._pool,
-            options=_rpc.server_options(),
-            interceptors=[TokenInterceptor(token, "this manager server")] if token else None,
-        )
-        handlers = {
-            "Quorum": grpc.unary_unary_rpc_method_handler(
-                self._quorum,
-                torchft_pb2.ManagerQuorumRequest.FromString,
-                torchft_pb2.ManagerQuorumResponse.SerializeToString,
-            ),
-            "CheckpointMetadata": grpc.unary_unary_rpc_method_handler(
-                self._checkpoint_metadata,
-                torchft_pb2.CheckpointMetadataRequest.FromString,
-                torchft_pb2.CheckpointMetadataResponse.SerializeToString,
-            ),
-            "ShouldCommit": grpc.unary_unary_rpc_method_handler(
-                self._should_commit,
-                torchft_pb2.ShouldCommitRequest.FromString,
-                torchft_pb2.ShouldCommitResponse.SerializeToString,
-            ),
-            "Kill": grpc.unary_unary_rpc_method_handler(
-                self._kill,
-                torchft_pb2.KillRequest.FromString,
-                torchft_pb2.KillResponse.SerializeToString,
-            ),
+        # Runs a quorum round whose last arrival is a remote rank: the
+        # lighthouse call blocks, and the server thread never may.
+        self._rounds = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ftdist-mgr-round")
+        handlers: dict[str, Callable[[Any, bytes], None]] = {
+            _rpc.MANAGER_QUORUM: self._on_quorum,
+            _rpc.MANAGER_CHECKPOINT_METADATA: self._on_checkpoint_metadata,
+            _rpc.MANAGER_SHOULD_COMMIT: self._on_should_commit,
+            _rpc.MANAGER_KILL: self._on_kill,
         }
-        self._server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(_rpc.MANAGER_SERVICE, handlers),)
+        auth = (
+            None
+            if token is None
+            else functools.partial(metadata_refusal, token=token, what="this manager server")
         )
-        if credentials is None:
-            self._port = self._server.add_insecure_port(bind)
+        self._server: RpcServer
+        if credentials is None and server_kind == "h2":
+            self._server = H2Server(
+                bind,
+                handlers,
+                max_request_bytes=_rpc.MAX_REQUEST_BYTES,
+                tick=self._expire_parked,
+                tick_period_s=_EXPIRY_CHECK_S,
+                thread_name="ftdist-mgr-server",
+                auth=auth,
+            )
         else:
-            self._port = self._server.add_secure_port(bind, credentials)
-        if not self._port:
-            raise OSError(f"cannot bind the manager server to {bind}")
-        self._server.start()
+            self._server = CompletionQueueServer(
+                bind,
+                handlers,
+                _rpc.server_options(),
+                tick=self._expire_parked,
+                tick_period_s=_EXPIRY_CHECK_S,
+                thread_name="ftdist-mgr-server",
+                auth=auth,
+                credentials=credentials,
+            )
+        try:
+            self._port = self._server.start()
+        except OSError as exc:
+            self._rounds.shutdown()
+            self._link.close()
+            why = f"cannot bind the manager server to {bind}: {exc}"
+            raise (OSError(why) if exc.errno is None else OSError(exc.errno, why)) from exc
         warn_if_open(token, "This manager server")
-        # When this group last reached the lighthouse (a quorum request or a
-        # heartbeat); read by the heartbeat thread.
-        self._last_contact = 0.0
-        self._heartbeat = threading.Thread(
-            target=self._heartbeat_loop, name="ftdist-mgr-heartbeat", daemon=True
-        )
-        self._heartbeat.start()
 
     def local_client(self) -> LocalManagerClient:
         """A client for calls from this process (group rank 0): no network hop."""
@@ -209,7 +231,7 @@ class ManagerServer:
         Raises:
             CoordinationError: the lighthouse is unreachable or refused.
         """
-        self._lighthouse.report_heal(self._replica_id, report, timeout=_REPORT_TIMEOUT_S)
+        self._link.report_heal(report)
 
     def shutdown(self, leaving: bool = False) -> None:
         """Stop serving and heartbeating; calls still waiting get UNAVAILABLE.
@@ -220,94 +242,125 @@ class ManagerServer:
                 report it dead.
         """
         if leaving and not self._stopped.is_set():
-            try:
-                self._lighthouse.leave(self._replica_id, timeout=_LEAVE_TIMEOUT_S)
-            except Exception as exc:
-                logger.info(
-                    "[%s] could not tell the lighthouse it leaves: %s", self._replica_id, exc
-                )
+            self._link.leave()
         self._stopped.set()
+        self._link.stop()
         with self._lock:
             rounds = [self._quorum_round, self._commit_round]
         for pending in rounds:
             if not pending.done.is_set():
                 pending.error = (grpc.StatusCode.UNAVAILABLE, "the manager server is shutting down")
                 pending.done.set()
-        self._server.stop(grace=None).wait(5)
-        self._pool.shutdown(wait=True)
-        self._heartbeat.join(timeout=5)
-        self._lighthouse.close()
-
-    def _heartbeat_loop(self) -> None:
-        while not self._stopped.wait(self._heartbeat_s):
-            # A quorum request counts as a heartbeat at the lighthouse: while
-            # the group steps, most beats would say what it already knows
-            # (each blocking call costs ~1 ms of CPU next to the training).
-            if time.monotonic() - self._last_contact < self._heartbeat_s:
-                continue
-            self._last_contact = time.monotonic()
-            try:
-                self._lighthouse.heartbeat(
-                    self._replica_id, timeout=max(1.0, self._heartbeat_s * 10)
-                )
-            except Exception as exc:  # keep trying: the lighthouse may be restarting
-                if not self._stopped.is_set():
-                    logger.warning("[%s] lighthouse heartbeat failed: %s", self._replica_id, exc)
+                # Before the stop below: the server runs both in order.
+                self._answer_parked(pending, lambda current, request: current.error)
+        self._server.stop(_STOP_GRACE_S)
+        self._rounds.shutdown(wait=True)
+        self._link.close()
 
     # -- Quorum -------------------------------------------------------------------
     def _quorum(
-        self, request: torchft_pb2.ManagerQuorumRequest, context: grpc.ServicerContext
+        self, request: torchft_pb2.ManagerQuorumRequest, context: LocalContext
     ) -> torchft_pb2.ManagerQuorumResponse:
-        remaining = _remaining(context)
+        """Group rank 0's quorum call, in process: waits on the caller's thread.
+
+        ``context`` is the in-process client's stand-in for a servicer
+        context; its ``abort()`` raises.
+        """
+        remaining = context.time_remaining()
+        problem = _timeout_problem(remaining) or self._quorum_problem(request)
+        if problem is not None:
+            context.abort(*problem)
+        current, last = self._arrive_quorum(request, float(remaining), None)
+        if last:
+            self._run_quorum(current)
+        if not current.done.wait(remaining):
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, self._incomplete(current, "quorum"))
+        outcome = self._quorum_outcome(current, request)
+        if isinstance(outcome, tuple):
+            context.abort(*outcome)
+        return outcome
+
+    def _on_quorum(self, call: ServerCall, payload: bytes) -> None:
+        """A remote rank's quorum call, on the server thread: parked until its round ends."""
+        request = decode_request(call, torchft_pb2.ManagerQuorumRequest, payload)
+        if request is None:
+            return
+        remaining = call.time_remaining()
+        problem = _timeout_problem(remaining) or self._quorum_problem(request)
+        if problem is not None:
+            call.abort(*problem)
+            return
+        if self._stopped.is_set():
+            call.abort(grpc.StatusCode.UNAVAILABLE, "the manager server is shutting down")
+            return
+        current, last = self._arrive_quorum(request, float(remaining or 0.0), call)
+        if last:
+            self._rounds.submit(self._run_quorum, current)
+
+    def _quorum_problem(
+        self, request: torchft_pb2.ManagerQuorumRequest
+    ) -> tuple[grpc.StatusCode, str] | None:
         rank = request.group_rank
         if not 0 <= rank < self._world_size:
-            context.abort(
+            return (
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"group_rank {rank} is outside [0, {self._world_size})",
             )
         if request.step < 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {request.step} is negative")
+            return grpc.StatusCode.INVALID_ARGUMENT, f"step {request.step} is negative"
         if request.fingerprint:
             problem = _fingerprint_problem(request.fingerprint)
             if problem:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+                return grpc.StatusCode.INVALID_ARGUMENT, problem
+        return None
+
+    def _arrive_quorum(
+        self,
+        request: torchft_pb2.ManagerQuorumRequest,
+        remaining: float,
+        call: ServerCall | None,
+    ) -> tuple[_Round, bool]:
+        """Count ``request`` in the open round; the round, and whether it was the last."""
+        rank = request.group_rank
         with self._lock:
             self._metadata[rank] = request.checkpoint_metadata
             current = self._quorum_round
             current.arrivals[rank] = request
             current.deadlines[rank] = time.monotonic() + remaining
+            if call is not None:
+                current.parked.append((rank, request, call))
             last = len(current.arrivals) == self._world_size
             if last:
                 self._quorum_round = _Round()
-        if last:
-            # The last rank to arrive runs the round on its own handler
-            # thread. The earliest deadline bounds the lighthouse call, so
-            # that its failure reaches every waiting rank at the same moment.
-            self._run_quorum(current, min(current.deadlines.values()) - time.monotonic())
-        if not current.done.wait(remaining):
-            context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"quorum did not complete: {len(current.arrivals)} of "
-                f"{self._world_size} group ranks arrived",
-            )
+        return current, last
+
+    def _quorum_outcome(
+        self, current: _Round, request: torchft_pb2.ManagerQuorumRequest
+    ) -> torchft_pb2.ManagerQuorumResponse | tuple[grpc.StatusCode, str]:
+        """One rank's answer from a finished round: its response, or an error status."""
         if current.error is not None:
-            context.abort(*current.error)
+            return current.error
         assert current.quorum is not None
-        try:
-            results = [
-                compute_quorum_results(
-                    self._replica_id,
-                    group_rank,
-                    current.quorum.quorum_id,
-                    current.quorum.participants,
-                    request.init_sync,
-                    current.diverged,
-                )
-                for group_rank in range(self._world_size)
-            ]
-        except LookupError as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        result = results[rank]
+        results = current.results.get(request.init_sync)
+        if results is None:
+            try:
+                results = [
+                    compute_quorum_results(
+                        self._replica_id,
+                        group_rank,
+                        current.quorum.quorum_id,
+                        current.quorum.participants,
+                        request.init_sync,
+                        current.diverged,
+                    )
+                    for group_rank in range(self._world_size)
+                ]
+            except LookupError as exc:
+                results = exc
+            current.results[request.init_sync] = results
+        if isinstance(results, LookupError):
+            return grpc.StatusCode.NOT_FOUND, str(results)
+        result = results[request.group_rank]
         created = current.quorum.created
         return torchft_pb2.ManagerQuorumResponse(
             quorum_id=result.quorum_id,
@@ -328,162 +381,145 @@ class ManagerServer:
             group_heals=any(r.heal for r in results),
         )
 
-    def _run_quorum(self, current: _Round, timeout: float) -> None:
-        requests: dict[int, torchft_pb2.ManagerQuorumRequest] = current.arrivals
+    def _run_quorum(self, current: _Round) -> None:
+        """Ask the lighthouse for the group, on the last arrival's thread.
+
+        The earliest deadline bounds the call, so that its failure reaches
+        every waiting rank at the same moment.
+        """
         try:
-            steps = {r: q.step for r, q in requests.items()}
-            step = min(steps.values())
-            if len(set(steps.values())) > 1:
-                # A heal that reached some group ranks and not others (its
-                # source died mid-transfer) leaves the ranks apart. The group
-                # is as old as its oldest rank: reporting that step makes the
-                # whole group heal again, from a peer at the quorum's max step.
-                logger.warning(
-                    "[%s] group ranks are at different steps %s: reporting step %d so the "
-                    "group heals",
-                    self._replica_id,
-                    dict(sorted(steps.items())),
-                    step,
-                )
-            fingerprints = {
-                str(r): json.loads(q.fingerprint) for r, q in requests.items() if q.fingerprint
-            }
-            data: dict[str, Any] = {"fingerprint": fingerprints} if fingerprints else {}
-            if self._quorum_id_seen:
-                data[QUORUM_ID_KEY] = self._quorum_id_seen
-            if len(set(steps.values())) > 1:
-                # Ask to heal even from peers at the reported step: a rank
-                # ahead of it must come back to the group's state.
-                data["heal"] = True
-            commit_failures = max(q.commit_failures for q in requests.values())
-            if commit_failures > 0 or self._unreachable:
-                # A failed step may be a partition between replica groups:
-                # say which peers this group cannot reach (see reachability).
-                self._probe_peers()
-            deadline = time.monotonic() + timeout
-            for attempt in range(self._quorum_retries + 1):
-                try:
-                    current.quorum = quorum = self._ask_lighthouse(
-                        step,
-                        data,
-                        shrink_only=any(q.shrink_only for q in requests.values()),
-                        commit_failures=commit_failures,
-                        deadline=deadline,
-                    )
-                    self._quorum_id_seen = max(self._quorum_id_seen, quorum.quorum_id)
-                    break
-                except Exception as exc:
-                    if attempt == self._quorum_retries or time.monotonic() >= deadline:
-                        code = (
-                            grpc.StatusCode.DEADLINE_EXCEEDED
-                            if isinstance(exc, TimeoutError)
-                            else grpc.StatusCode.UNAVAILABLE
-                        )
-                        current.error = (
-                            code,
-                            f"lighthouse quorum failed after {attempt + 1} attempt(s): {exc}",
-                        )
-                        return
-                    time.sleep(min(0.1 * (attempt + 1), max(0.0, deadline - time.monotonic())))
-            assert current.quorum is not None
-            self._peers = {
-                m.replica_id: m.address
-                for m in current.quorum.participants
-                if m.replica_id != self._replica_id
-            }
-            divergence = find_divergence(current.quorum.participants)
+            timeout = min(current.deadlines.values()) - time.monotonic()
+            current.quorum = quorum = self._link.group_quorum(current.arrivals, timeout)
+            divergence = find_divergence(quorum.participants)
             if divergence is not None:
                 current.divergence, current.diverged = divergence.report, divergence.minority
                 logger.warning("[%s] %s", self._replica_id, divergence.report)
-            current.diverged |= heal_requests(current.quorum.participants)
+            current.diverged |= heal_requests(quorum.participants)
+        except QuorumFailed as exc:
+            current.error = (exc.code, str(exc))
         except Exception as exc:  # never leave ranks waiting on a bug
             logger.exception("quorum round failed")
             current.error = (grpc.StatusCode.INTERNAL, f"manager server error: {exc}")
         finally:
             current.done.set()
+            self._answer_parked(current, self._quorum_outcome)
 
-    def _probe_peers(self) -> None:
-        before = self._unreachable
-        self._unreachable = unreachable_peers(self._peers)
-        if self._unreachable != before:
-            if self._unreachable:
-                logger.warning(
-                    "[%s] cannot reach replica group(s) %s: reporting them to the lighthouse",
-                    self._replica_id,
-                    ", ".join(sorted(self._unreachable)),
-                )
+    # -- parked calls -----------------------------------------------------------
+    def _answer_parked(self, current: _Round, outcome: Callable[[_Round, Any], Any]) -> None:
+        """Answer the round's remote calls, on the server thread (from any thread)."""
+        if current.parked:
+            self._server.call_soon(lambda: self._answer(current, outcome))
+
+    @staticmethod
+    def _answer(current: _Round, outcome: Callable[[_Round, Any], Any]) -> None:
+        for _, request, call in current.parked:
+            if call.done:
+                continue  # its client gave up or left
+            answer = outcome(current, request)
+            if isinstance(answer, tuple):
+                call.abort(*answer)
             else:
-                logger.info("[%s] every peer is reachable again", self._replica_id)
+                call.reply(answer.SerializeToString())
 
-    def _ask_lighthouse(
-        self,
-        step: int,
-        data: dict[str, Any],
-        *,
-        shrink_only: bool,
-        commit_failures: int,
-        deadline: float,
-    ) -> Quorum:
-        """One quorum request; while it reports unreachable peers, probe again.
+    def _expire_parked(self) -> None:
+        """The server's tick: end parked calls whose deadline passed."""
+        with self._lock:
+            rounds = ((self._quorum_round, "quorum"), (self._commit_round, "commit"))
+        for current, what in rounds:
+            for _, _, call in current.parked:
+                if not call.done and not call.time_remaining():
+                    call.abort(grpc.StatusCode.DEADLINE_EXCEEDED, self._incomplete(current, what))
 
-        A group that reports peers it cannot reach is likely the one left out
-        (:mod:`ftdist.lighthouse.partition`), and its parked request keeps it
-        out for as long as that request stands. So it asks in slices of
-        :data:`REPROBE_S`, probing between them, and asks anew, without the
-        report, as soon as its peers answer again: it rejoins within a slice
-        of the partition's end.
-        """
-        while True:
-            request_data = dict(data)
-            if self._unreachable:
-                request_data[REPORT_KEY] = dict(self._unreachable)
-            remaining = deadline - time.monotonic()
-            slice_s = min(remaining, REPROBE_S) if self._unreachable else remaining
-            self._last_contact = time.monotonic()
-            try:
-                return self._lighthouse.quorum(
-                    self._replica_id,
-                    timeout=max(0.01, slice_s),
-                    address=self.address(),
-                    store_address=self._store_addr,
-                    step=step,
-                    world_size=self._world_size,
-                    shrink_only=shrink_only,
-                    data=request_data or None,
-                    commit_failures=commit_failures,
-                )
-            except CoordinationTimeoutError:
-                if slice_s >= remaining or self._stopped.is_set():
-                    raise
-            self._probe_peers()
+    def _incomplete(self, current: _Round, what: str) -> str:
+        if what == "quorum":
+            return (
+                f"quorum did not complete: {len(current.arrivals)} of "
+                f"{self._world_size} group ranks arrived"
+            )
+        return (
+            f"commit vote incomplete: {len(current.arrivals)} of "
+            f"{self._world_size} group ranks voted"
+        )
 
     # -- the other RPCs ---------------------------------------------------------
     def _checkpoint_metadata(
-        self, request: torchft_pb2.CheckpointMetadataRequest, context: grpc.ServicerContext
+        self, request: torchft_pb2.CheckpointMetadataRequest, context: LocalContext
     ) -> torchft_pb2.CheckpointMetadataResponse:
+        """Where group rank ``request.rank`` serves its state, in process."""
+        outcome = self._metadata_outcome(request)
+        if isinstance(outcome, tuple):
+            context.abort(*outcome)
+        return outcome
+
+    def _on_checkpoint_metadata(self, call: ServerCall, payload: bytes) -> None:
+        request = decode_request(call, torchft_pb2.CheckpointMetadataRequest, payload)
+        if request is None:
+            return
+        outcome = self._metadata_outcome(request)
+        if isinstance(outcome, tuple):
+            call.abort(*outcome)
+        else:
+            call.reply(outcome.SerializeToString())
+
+    def _metadata_outcome(
+        self, request: torchft_pb2.CheckpointMetadataRequest
+    ) -> torchft_pb2.CheckpointMetadataResponse | tuple[grpc.StatusCode, str]:
         with self._lock:
             metadata = self._metadata.get(request.rank)
         if metadata is None:
-            context.abort(
+            return (
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"rank not found: group rank {request.rank} has not joined a quorum",
             )
         return torchft_pb2.CheckpointMetadataResponse(checkpoint_metadata=metadata)
 
     def _should_commit(
-        self, request: torchft_pb2.ShouldCommitRequest, context: grpc.ServicerContext
+        self, request: torchft_pb2.ShouldCommitRequest, context: LocalContext
     ) -> torchft_pb2.ShouldCommitResponse:
-        remaining = _remaining(context)
+        """Group rank 0's vote, in process: waits on the caller's thread."""
+        remaining = context.time_remaining()
+        problem = _timeout_problem(remaining) or self._vote_problem(request)
+        if problem is not None:
+            context.abort(*problem)
+        current = self._vote(request, None)
+        if not current.done.wait(remaining):
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, self._incomplete(current, "commit"))
+        outcome = self._commit_outcome(current, request)
+        if isinstance(outcome, tuple):
+            context.abort(*outcome)
+        return outcome
+
+    def _on_should_commit(self, call: ServerCall, payload: bytes) -> None:
+        """A remote rank's vote, on the server thread: parked until every rank voted."""
+        request = decode_request(call, torchft_pb2.ShouldCommitRequest, payload)
+        if request is None:
+            return
+        problem = _timeout_problem(call.time_remaining()) or self._vote_problem(request)
+        if problem is not None:
+            call.abort(*problem)
+            return
+        self._vote(request, call)
+
+    def _vote_problem(
+        self, request: torchft_pb2.ShouldCommitRequest
+    ) -> tuple[grpc.StatusCode, str] | None:
         rank = request.group_rank
         if not 0 <= rank < self._world_size:
-            context.abort(
+            return (
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"group_rank {rank} is outside [0, {self._world_size})",
             )
+        return None
+
+    def _vote(self, request: torchft_pb2.ShouldCommitRequest, call: ServerCall | None) -> _Round:
+        """Count one vote; the last one decides the round and answers the parked calls."""
         with self._lock:
             current = self._commit_round
-            current.arrivals[rank] = (request.should_commit, request.step)
-            if len(current.arrivals) == self._world_size:
+            current.arrivals[request.group_rank] = (request.should_commit, request.step)
+            if call is not None:
+                current.parked.append((request.group_rank, request, call))
+            last = len(current.arrivals) == self._world_size
+            if last:
                 self._commit_round = _Round()
                 votes = current.arrivals
                 steps = {s for _, s in votes.values()}
@@ -495,40 +531,52 @@ class ManagerServer:
                         {r: s for r, (_, s) in votes.items()},
                     )
                 current.done.set()
-        if not current.done.wait(remaining):
-            context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"commit vote incomplete: {len(current.arrivals)} of "
-                f"{self._world_size} group ranks voted",
-            )
+        if last:
+            self._answer_parked(current, self._commit_outcome)
+        return current
+
+    @staticmethod
+    def _commit_outcome(
+        current: _Round, request: torchft_pb2.ShouldCommitRequest
+    ) -> torchft_pb2.ShouldCommitResponse | tuple[grpc.StatusCode, str]:
         if current.error is not None:
-            context.abort(*current.error)
+            return current.error
         return torchft_pb2.ShouldCommitResponse(should_commit=current.decision)
 
     def _kill(
-        self, request: torchft_pb2.KillRequest, context: grpc.ServicerContext
+        self, request: torchft_pb2.KillRequest, context: LocalContext
     ) -> torchft_pb2.KillResponse:
-        logger.warning("[%s] killed: %s", self._replica_id, request.msg)
-        # Answer first, then exit: the caller learns the kill landed.
-        threading.Timer(0.1, os._exit, args=(1,)).start()
+        """Exit this process (after answering), in process."""
+        self._die(request.msg)
         return torchft_pb2.KillResponse()
 
+    def _on_kill(self, call: ServerCall, payload: bytes) -> None:
+        request = decode_request(call, torchft_pb2.KillRequest, payload)
+        if request is None:
+            return
+        # Answer first, then exit: the caller learns the kill landed.
+        call.reply(torchft_pb2.KillResponse().SerializeToString())
+        self._die(request.msg)
 
-def _remaining(context: grpc.ServicerContext) -> float:
-    """The call's seconds left; a call without a deadline is refused.
+    def _die(self, msg: str) -> None:
+        logger.warning("[%s] killed: %s", self._replica_id, msg)
+        threading.Timer(0.1, os._exit, args=(1,)).start()
 
-    Both handlers wait for the group's other ranks, so a call must say how
-    long. grpcio reports a call sent without one as centuries left, which
-    ``Event.wait`` cannot take ("timestamp out of range for platform time_t").
+
+def _timeout_problem(remaining: float | None) -> tuple[grpc.StatusCode, str] | None:
+    """Why a call's deadline is refused (None when it is fine).
+
+    Both waiting calls wait for the group's other ranks, so a call must say
+    how long. grpcio's servers report a call sent without a deadline as
+    centuries left.
     """
-    remaining = context.time_remaining()
     if remaining is None or remaining > _MAX_CALL_S:
-        context.abort(
+        return (
             grpc.StatusCode.INVALID_ARGUMENT,
             "missing timeout: send the call with a deadline (gRPC's grpc-timeout) "
             f"of at most {_MAX_CALL_S:.0f} s",
         )
-    return float(remaining)
+    return None
 
 
 def _fingerprint_problem(fingerprint: str) -> str:
