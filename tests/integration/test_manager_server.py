@@ -29,19 +29,25 @@ def lighthouse(lh: Lighthouses) -> LighthouseServer:
 # Every test that takes this fixture runs on both of the server's gRPC servers.
 @pytest.fixture(params=["h2", "grpcio"])
 def server(lighthouse: LighthouseServer, request: pytest.FixtureRequest) -> Iterator[ManagerServer]:
-    manager = ManagerServer(
+    manager = _manager(lighthouse, "127.0.0.1:0", request.param)
+    yield manager
+    manager.shutdown()
+
+
+def _manager(
+    lighthouse: LighthouseServer, bind: str, rpc_server: str | None, world_size: int = 2
+) -> ManagerServer:
+    return ManagerServer(
         "rep:uuid",
         lighthouse.address(),
         "127.0.0.1",
-        "127.0.0.1:0",
+        bind,
         "127.0.0.1:1234",
-        world_size=2,
+        world_size=world_size,
         heartbeat_interval=timedelta(milliseconds=100),
         connect_timeout=T,
-        rpc_server=request.param,
+        rpc_server=rpc_server,
     )
-    yield manager
-    manager.shutdown()
 
 
 def _in_threads(*calls: Any) -> list[Any]:
@@ -355,25 +361,16 @@ def _literal_fields(block: bytes) -> dict[str, str]:
     return fields
 
 
-def test_a_parked_call_past_its_deadline_is_told_what_the_round_lacks() -> None:
+def test_a_parked_call_past_its_deadline_is_told_what_the_round_lacks(
+    lighthouse: LighthouseServer,
+) -> None:
     # A client that never gives up on its own still gets an answer at its
     # deadline (the server checks parked calls every 100 ms), naming what the
     # round lacks, and the server serves on.
     from ftdist._rpc import common as rpc
     from ftdist._rpc._proto import torchft_pb2 as pb
 
-    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, http_port=-1)
-    server = ManagerServer(
-        "rep:uuid",
-        lighthouse.address(),
-        "127.0.0.1",
-        "127.0.0.1:0",
-        "127.0.0.1:1234",
-        world_size=2,
-        heartbeat_interval=timedelta(milliseconds=100),
-        connect_timeout=T,
-        rpc_server="h2",
-    )
+    server = _manager(lighthouse, "127.0.0.1:0", "h2")
     try:
         port = int(server.address().rsplit(":", 1)[1])
         ask = pb.ManagerQuorumRequest(group_rank=1, step=3).SerializeToString()
@@ -391,7 +388,6 @@ def test_a_parked_call_past_its_deadline_is_told_what_the_round_lacks() -> None:
             assert c.should_commit(0, 3, True, T) is True
     finally:
         server.shutdown()
-        lighthouse.shutdown()
 
 
 def test_shutdown_answers_every_parked_call_at_once(server: ManagerServer) -> None:
@@ -416,17 +412,7 @@ def test_an_unknown_server_kind_or_a_taken_port_is_refused_clearly(
     lighthouse: LighthouseServer,
 ) -> None:
     def make(bind: str, rpc_server: str | None) -> ManagerServer:
-        return ManagerServer(
-            "rep:uuid",
-            lighthouse.address(),
-            "127.0.0.1",
-            bind,
-            "127.0.0.1:1234",
-            world_size=1,
-            heartbeat_interval=timedelta(milliseconds=100),
-            connect_timeout=T,
-            rpc_server=rpc_server,
-        )
+        return _manager(lighthouse, bind, rpc_server, world_size=1)
 
     with pytest.raises(ValueError, match=r"rpc_server \('tonic'\).*FTDIST_MANAGER_RPC_SERVER"):
         make("127.0.0.1:0", "tonic")

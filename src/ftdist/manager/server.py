@@ -46,7 +46,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -81,8 +81,12 @@ _MAX_CALL_S = 7 * 24 * 3600.0
 # clients that do not, and answers with what the round still lacks when the
 # server's check comes first.
 _EXPIRY_CHECK_S = 0.1
-# Calls still parked at shutdown get their UNAVAILABLE within this grace.
-_STOP_GRACE_S = 1.0
+# Calls still parked at shutdown are answered UNAVAILABLE just before the stop;
+# this grace lets those answers leave (grpcio's core waits it out whole).
+_STOP_GRACE_S = 0.2
+
+
+_R = TypeVar("_R")
 
 
 @dataclass
@@ -273,12 +277,7 @@ class ManagerServer:
         current, last = self._arrive_quorum(request, float(remaining), None)
         if last:
             self._run_quorum(current)
-        if not current.done.wait(remaining):
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, self._incomplete(current, "quorum"))
-        outcome = self._quorum_outcome(current, request)
-        if isinstance(outcome, tuple):
-            context.abort(*outcome)
-        return outcome
+        return self._await(current, request, remaining, context, "quorum", self._quorum_outcome)
 
     def _on_quorum(self, call: ServerCall, payload: bytes) -> None:
         """A remote rank's quorum call, on the server thread: parked until its round ends."""
@@ -430,6 +429,23 @@ class ManagerServer:
                 if not call.done and not call.time_remaining():
                     call.abort(grpc.StatusCode.DEADLINE_EXCEEDED, self._incomplete(current, what))
 
+    def _await(
+        self,
+        current: _Round,
+        request: Any,
+        remaining: float,
+        context: LocalContext,
+        what: str,
+        outcome: Callable[[_Round, Any], _R | tuple[grpc.StatusCode, str]],
+    ) -> _R:
+        """Group rank 0's wait for its round, on its own thread; its answer (or abort)."""
+        if not current.done.wait(remaining):
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, self._incomplete(current, what))
+        answer = outcome(current, request)
+        if isinstance(answer, tuple):
+            context.abort(*answer)
+        return answer
+
     def _incomplete(self, current: _Round, what: str) -> str:
         if what == "quorum":
             return (
@@ -482,12 +498,7 @@ class ManagerServer:
         if problem is not None:
             context.abort(*problem)
         current = self._vote(request, None)
-        if not current.done.wait(remaining):
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, self._incomplete(current, "commit"))
-        outcome = self._commit_outcome(current, request)
-        if isinstance(outcome, tuple):
-            context.abort(*outcome)
-        return outcome
+        return self._await(current, request, remaining, context, "commit", self._commit_outcome)
 
     def _on_should_commit(self, call: ServerCall, payload: bytes) -> None:
         """A remote rank's vote, on the server thread: parked until every rank voted."""
