@@ -299,19 +299,13 @@ class ManagerServer:
     def _quorum_problem(
         self, request: torchft_pb2.ManagerQuorumRequest
     ) -> tuple[grpc.StatusCode, str] | None:
-        rank = request.group_rank
-        if not 0 <= rank < self._world_size:
-            return (
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"group_rank {rank} is outside [0, {self._world_size})",
-            )
+        problem = self._rank_problem(request.group_rank)
+        if problem is not None:
+            return problem
         if request.step < 0:
             return grpc.StatusCode.INVALID_ARGUMENT, f"step {request.step} is negative"
-        if request.fingerprint:
-            problem = _fingerprint_problem(request.fingerprint)
-            if problem:
-                return grpc.StatusCode.INVALID_ARGUMENT, problem
-        return None
+        wrong = _fingerprint_problem(request.fingerprint) if request.fingerprint else ""
+        return (grpc.StatusCode.INVALID_ARGUMENT, wrong) if wrong else None
 
     def _arrive_quorum(
         self,
@@ -494,7 +488,7 @@ class ManagerServer:
     ) -> torchft_pb2.ShouldCommitResponse:
         """Group rank 0's vote, in process: waits on the caller's thread."""
         remaining = context.time_remaining()
-        problem = _timeout_problem(remaining) or self._vote_problem(request)
+        problem = _timeout_problem(remaining) or self._rank_problem(request.group_rank)
         if problem is not None:
             context.abort(*problem)
         current = self._vote(request, None)
@@ -505,22 +499,19 @@ class ManagerServer:
         request = decode_request(call, torchft_pb2.ShouldCommitRequest, payload)
         if request is None:
             return
-        problem = _timeout_problem(call.time_remaining()) or self._vote_problem(request)
+        problem = _timeout_problem(call.time_remaining()) or self._rank_problem(request.group_rank)
         if problem is not None:
             call.abort(*problem)
             return
         self._vote(request, call)
 
-    def _vote_problem(
-        self, request: torchft_pb2.ShouldCommitRequest
-    ) -> tuple[grpc.StatusCode, str] | None:
-        rank = request.group_rank
-        if not 0 <= rank < self._world_size:
-            return (
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"group_rank {rank} is outside [0, {self._world_size})",
-            )
-        return None
+    def _rank_problem(self, rank: int) -> tuple[grpc.StatusCode, str] | None:
+        if 0 <= rank < self._world_size:
+            return None
+        return (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"group_rank {rank} is outside [0, {self._world_size})",
+        )
 
     def _vote(self, request: torchft_pb2.ShouldCommitRequest, call: ServerCall | None) -> _Round:
         """Count one vote; the last one decides the round and answers the parked calls."""
