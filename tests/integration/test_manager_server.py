@@ -406,6 +406,12 @@ def test_shutdown_answers_every_parked_call_at_once(server: ManagerServer) -> No
         assert len(results) == 1 and isinstance(results[0], CoordinationError), results
         assert not isinstance(results[0], CoordinationTimeoutError), results[0]
         assert "shutting down" in str(results[0]), results[0]
+    # Group rank 0's own calls after the shutdown are refused, never parked.
+    local = server.local_client()
+    with pytest.raises(CoordinationError, match="shutting down"):
+        local.should_commit(0, 5, True, T)
+    with pytest.raises(CoordinationError, match="shutting down"):
+        local.quorum(0, 5, "", False, True, 0, T)
 
 
 def test_an_unknown_server_kind_or_a_taken_port_is_refused_clearly(
@@ -416,6 +422,13 @@ def test_an_unknown_server_kind_or_a_taken_port_is_refused_clearly(
 
     with pytest.raises(ValueError, match=r"rpc_server \('tonic'\).*FTDIST_MANAGER_RPC_SERVER"):
         make("127.0.0.1:0", "tonic")
+    # A bind that fails past the lighthouse connection leaves no heartbeat behind.
+    with pytest.raises(ValueError):
+        make("127.0.0.1", "h2")  # no port
+    deadline = time.monotonic() + 10
+    while any(t.name == "ftdist-mgr-heartbeat" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, [t.name for t in threading.enumerate()]
+        time.sleep(0.05)
     first = make("127.0.0.1:0", None)
     try:
         taken = first.address().rsplit(":", 1)[1]

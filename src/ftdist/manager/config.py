@@ -94,7 +94,7 @@ def manager_rpc_server(value: str | None = None, environ: Mapping[str, str] | No
     """Which gRPC server a :class:`~ftdist.manager.server.ManagerServer`
     runs on plaintext: ``value``, else ``FTDIST_MANAGER_RPC_SERVER``, else
     ``"h2"`` (ftdist's own HTTP/2 server, one thread); ``"grpcio"`` is
-    grpcio's core. TLS always runs on grpcio's core.
+    grpcio's thread-pool server. TLS always runs on grpcio's.
 
     Raises:
         ValueError: for anything but ``h2`` or ``grpcio`` (any case).

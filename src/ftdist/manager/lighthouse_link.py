@@ -162,7 +162,8 @@ class LighthouseLink:
                 )
                 break
             except Exception as exc:
-                if attempt == self._quorum_retries or time.monotonic() >= deadline:
+                last = attempt == self._quorum_retries or time.monotonic() >= deadline
+                if last or self._stopped.is_set():
                     code = (
                         grpc.StatusCode.DEADLINE_EXCEEDED
                         if isinstance(exc, TimeoutError)
@@ -263,11 +264,13 @@ class LighthouseLink:
             logger.info("[%s] could not tell the lighthouse it leaves: %s", self._replica_id, exc)
 
     def stop(self) -> None:
-        """Stop heartbeating and retrying; a quorum request in flight ends by its deadline."""
+        """Stop heartbeating and retrying (a quorum request in flight goes on
+        until :meth:`close` or its deadline)."""
         self._stopped.set()
 
     def close(self) -> None:
-        """Stop, join the heartbeat thread and close the client."""
+        """Stop, close the client (a call in flight ends at once) and join
+        the heartbeat thread."""
         self._stopped.set()
-        self._heartbeat.join(timeout=5)
         self._client.close()
+        self._heartbeat.join(timeout=5)

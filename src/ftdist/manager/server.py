@@ -20,14 +20,17 @@ whole group heals again; votes on different steps never commit. Replicas
 whose consistency fingerprints disagree with the majority's
 (:func:`~ftdist.manager.rule.find_divergence`) heal from it.
 
-Every call is served on one thread: ftdist's own HTTP/2 server
-(:mod:`ftdist._rpc.h2_server`), or grpcio's core over TLS or with
-``FTDIST_MANAGER_RPC_SERVER=grpcio``. A call waiting for the rest of its
-group is parked there, not a blocked thread: with grpcio's thread-pool server
-each call cost about 0.37 ms more per round trip in thread hand-offs. Group
-rank 0 calls in process (:mod:`~ftdist.manager.local_client`) and waits on
-its own thread. The lighthouse call runs on the thread of the group's last
-rank to arrive: rank 0's own, or a worker when the last is a remote rank.
+On plaintext every call is served on one thread, by ftdist's own HTTP/2
+server (:mod:`ftdist._rpc.h2_server`): a call waiting for the rest of its
+group is parked there (:mod:`~ftdist.manager.gathering`), not a blocked
+thread. grpcio's thread-pool server, which handed each call to a thread
+that then waited, cost about 0.37 ms more per round trip; it still serves
+over TLS or with ``FTDIST_MANAGER_RPC_SERVER=grpcio``
+(:mod:`ftdist._rpc.pool_server`, same handlers as the in-process calls).
+Group rank 0 calls in process (:mod:`~ftdist.manager.local_client`) and
+waits on its own thread. The lighthouse call runs on the thread of the
+group's last rank to arrive: rank 0's own, or a worker when the last is a
+remote rank parked on the HTTP/2 server.
 
 With a job token (:mod:`ftdist._auth`) every call must carry it, ``Kill``
 included; the others are answered UNAUTHENTICATED before any handler runs.
@@ -44,7 +47,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -53,17 +55,17 @@ import grpc
 from ftdist._auth import job_token, tls_files, warn_if_open
 from ftdist._rpc import common as _rpc
 from ftdist._rpc._proto import torchft_pb2
+from ftdist._rpc._proto import torchft_pb2 as pb
 from ftdist._rpc.auth import metadata_refusal, server_credentials
-from ftdist._rpc.call import RpcServer, ServerCall, decode_request
-from ftdist._rpc.cq_server import CompletionQueueServer
+from ftdist._rpc.call import ServerCall, decode_request
 from ftdist._rpc.h2_server import H2Server
+from ftdist._rpc.pool_server import PoolServer
 from ftdist.lighthouse.client import LighthouseClient
-from ftdist.lighthouse.types import Quorum
 from ftdist.manager.config import manager_rpc_server
+from ftdist.manager.gathering import Gathering, timeout_problem
 from ftdist.manager.lighthouse_link import LighthouseLink, QuorumFailed
 from ftdist.manager.local_client import LocalContext, LocalManagerClient
 from ftdist.manager.rule import (
-    QuorumResult,
     compute_quorum_results,
     find_divergence,
     heal_requests,
@@ -74,39 +76,18 @@ logger = logging.getLogger(__name__)
 # A quorum request's fingerprint travels to the lighthouse in the member's
 # data, which the lighthouse caps at 64 KiB.
 _MAX_FINGERPRINT_BYTES = 64 * 1024
-# A call's longest wait in a handler: a week (timeouts are seconds to hours).
-_MAX_CALL_S = 7 * 24 * 3600.0
 # How often parked calls are checked against their deadlines. Clients give
 # up at their own deadline (and reset the call); this frees the calls of
 # clients that do not, and answers with what the round still lacks when the
 # server's check comes first.
 _EXPIRY_CHECK_S = 0.1
 # Calls still parked at shutdown are answered UNAVAILABLE just before the stop;
-# this grace lets those answers leave (grpcio's core waits it out whole).
+# this grace lets those answers leave.
 _STOP_GRACE_S = 0.2
+_SHUTTING_DOWN = (grpc.StatusCode.UNAVAILABLE, "the manager server is shutting down")
 
 
 _R = TypeVar("_R")
-
-
-@dataclass
-class _Round:
-    """One gathering of every group rank (a quorum or a commit vote)."""
-
-    arrivals: dict[int, Any] = field(default_factory=dict)
-    deadlines: dict[int, float] = field(default_factory=dict)
-    done: threading.Event = field(default_factory=threading.Event)
-    quorum: Quorum | None = None
-    divergence: str = ""
-    diverged: frozenset[str] = frozenset()
-    decision: bool = False
-    error: tuple[grpc.StatusCode, str] | None = None
-    # Remote calls waiting for the round: (group rank, request, call). Only
-    # the server thread appends and answers; every append comes before the
-    # round completes (the last arrival completes it).
-    parked: list[tuple[int, Any, ServerCall]] = field(default_factory=list)
-    # Every group rank's result, by the requester's init_sync (computed once).
-    results: dict[bool, list[QuorumResult] | LookupError] = field(default_factory=dict)
 
 
 class ManagerServer:
@@ -126,8 +107,8 @@ class ManagerServer:
             lighthouse (default ``FTDIST_JOB_TOKEN``, then
             ``FTDIST_JOB_TOKEN_FILE``; none: open).
         rpc_server: on plaintext, ``"h2"`` (ftdist's own HTTP/2 server) or
-            ``"grpcio"`` (grpcio's core); default ``FTDIST_MANAGER_RPC_SERVER``,
-            then ``"h2"``. TLS always runs on grpcio's core.
+            ``"grpcio"`` (grpcio's thread-pool server); default
+            ``FTDIST_MANAGER_RPC_SERVER``, then ``"h2"``. TLS always runs on grpcio's.
 
     Raises:
         ValueError: ``world_size < 1``, a malformed address or token, an
@@ -161,8 +142,8 @@ class ManagerServer:
         self._world_size = world_size
         lighthouse = LighthouseClient(lighthouse_addr, connect_timeout, token=token)
         self._lock = threading.Lock()
-        self._quorum_round = _Round()
-        self._commit_round = _Round()
+        self._quorum_round = Gathering("quorum", world_size)
+        self._commit_round = Gathering("commit", world_size)
         self._metadata: dict[int, str] = {}
         self._stopped = threading.Event()
         self._port = 0
@@ -178,20 +159,39 @@ class ManagerServer:
         # Runs a quorum round whose last arrival is a remote rank: the
         # lighthouse call blocks, and the server thread never may.
         self._rounds = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ftdist-mgr-round")
+        try:
+            self._server = self._start_server(bind, server_kind, credentials, token)
+        except BaseException as exc:
+            self._rounds.shutdown()
+            self._link.close()
+            if not isinstance(exc, OSError):
+                raise
+            why = f"cannot bind the manager server to {bind}: {exc}"
+            raise (OSError(why) if exc.errno is None else OSError(exc.errno, why)) from exc
+        self._port = self._server.port
+        warn_if_open(token, "This manager server")
+
+    def _start_server(
+        self,
+        bind: str,
+        server_kind: str,
+        credentials: grpc.ServerCredentials | None,
+        token: str | None,
+    ) -> H2Server | PoolServer:
         handlers: dict[str, Callable[[Any, bytes], None]] = {
             _rpc.MANAGER_QUORUM: self._on_quorum,
             _rpc.MANAGER_CHECKPOINT_METADATA: self._on_checkpoint_metadata,
             _rpc.MANAGER_SHOULD_COMMIT: self._on_should_commit,
             _rpc.MANAGER_KILL: self._on_kill,
         }
-        auth = (
-            None
-            if token is None
-            else functools.partial(metadata_refusal, token=token, what="this manager server")
-        )
-        self._server: RpcServer
+        server: H2Server | PoolServer
         if credentials is None and server_kind == "h2":
-            self._server = H2Server(
+            auth = (
+                None
+                if token is None
+                else functools.partial(metadata_refusal, token=token, what="this manager server")
+            )
+            server = H2Server(
                 bind,
                 handlers,
                 max_request_bytes=_rpc.MAX_REQUEST_BYTES,
@@ -201,24 +201,34 @@ class ManagerServer:
                 auth=auth,
             )
         else:
-            self._server = CompletionQueueServer(
+            # Over TLS, grpcio's thread pool: its calls wait on their own
+            # threads (see _rpc/pool_server.py for why not its core).
+            blocking = {
+                "Quorum": (self._quorum, pb.ManagerQuorumRequest, pb.ManagerQuorumResponse),
+                "CheckpointMetadata": (
+                    self._checkpoint_metadata,
+                    pb.CheckpointMetadataRequest,
+                    pb.CheckpointMetadataResponse,
+                ),
+                "ShouldCommit": (
+                    self._should_commit,
+                    pb.ShouldCommitRequest,
+                    pb.ShouldCommitResponse,
+                ),
+                "Kill": (self._kill, pb.KillRequest, pb.KillResponse),
+            }
+            server = PoolServer(
                 bind,
-                handlers,
+                _rpc.MANAGER_SERVICE,
+                blocking,
                 _rpc.server_options(),
-                tick=self._expire_parked,
-                tick_period_s=_EXPIRY_CHECK_S,
-                thread_name="ftdist-mgr-server",
-                auth=auth,
+                max_workers=2 * self._world_size + 8,
+                token=token,
+                what="this manager server",
                 credentials=credentials,
             )
-        try:
-            self._port = self._server.start()
-        except OSError as exc:
-            self._rounds.shutdown()
-            self._link.close()
-            why = f"cannot bind the manager server to {bind}: {exc}"
-            raise (OSError(why) if exc.errno is None else OSError(exc.errno, why)) from exc
-        warn_if_open(token, "This manager server")
+        server.start()
+        return server
 
     def local_client(self) -> LocalManagerClient:
         """A client for calls from this process (group rank 0): no network hop."""
@@ -245,21 +255,27 @@ class ManagerServer:
                 first (best effort), so that peers neither wait for it nor
                 report it dead.
         """
-        if leaving and not self._stopped.is_set():
-            self._link.leave()
-        self._stopped.set()
-        self._link.stop()
         with self._lock:
+            # Under the lock: no arrival lands in a round after this, and
+            # no round completes with some ranks told yes and others no.
+            first = not self._stopped.is_set()
+            self._stopped.set()
             rounds = [self._quorum_round, self._commit_round]
-        for pending in rounds:
-            if not pending.done.is_set():
-                pending.error = (grpc.StatusCode.UNAVAILABLE, "the manager server is shutting down")
+            for pending in rounds:
+                pending.error = _SHUTTING_DOWN
                 pending.done.set()
-                # Before the stop below: the server runs both in order.
-                self._answer_parked(pending, lambda current, request: current.error)
+        # Before leaving: no quorum request goes out after the lighthouse
+        # heard that this group left.
+        self._link.stop()
+        if leaving and first:
+            self._link.leave()
+        for pending in rounds:
+            # Before the stop below: the server runs both in order.
+            self._answer_parked(pending, lambda current, request: current.error)
         self._server.stop(_STOP_GRACE_S)
-        self._rounds.shutdown(wait=True)
+        # Closing the client ends a lighthouse call in flight on the worker.
         self._link.close()
+        self._rounds.shutdown(wait=True, cancel_futures=True)
 
     # -- Quorum -------------------------------------------------------------------
     def _quorum(
@@ -271,13 +287,15 @@ class ManagerServer:
         context; its ``abort()`` raises.
         """
         remaining = context.time_remaining()
-        problem = _timeout_problem(remaining) or self._quorum_problem(request)
+        problem = timeout_problem(remaining) or self._quorum_problem(request)
         if problem is not None:
             context.abort(*problem)
         current, last = self._arrive_quorum(request, float(remaining), None)
+        if current is None:
+            context.abort(*_SHUTTING_DOWN)
         if last:
             self._run_quorum(current)
-        return self._await(current, request, remaining, context, "quorum", self._quorum_outcome)
+        return self._await(current, request, remaining, context, self._quorum_outcome)
 
     def _on_quorum(self, call: ServerCall, payload: bytes) -> None:
         """A remote rank's quorum call, on the server thread: parked until its round ends."""
@@ -285,15 +303,14 @@ class ManagerServer:
         if request is None:
             return
         remaining = call.time_remaining()
-        problem = _timeout_problem(remaining) or self._quorum_problem(request)
+        problem = timeout_problem(remaining) or self._quorum_problem(request)
         if problem is not None:
             call.abort(*problem)
             return
-        if self._stopped.is_set():
-            call.abort(grpc.StatusCode.UNAVAILABLE, "the manager server is shutting down")
-            return
         current, last = self._arrive_quorum(request, float(remaining or 0.0), call)
-        if last:
+        if current is None:
+            call.abort(*_SHUTTING_DOWN)
+        elif last:
             self._rounds.submit(self._run_quorum, current)
 
     def _quorum_problem(
@@ -312,10 +329,13 @@ class ManagerServer:
         request: torchft_pb2.ManagerQuorumRequest,
         remaining: float,
         call: ServerCall | None,
-    ) -> tuple[_Round, bool]:
-        """Count ``request`` in the open round; the round, and whether it was the last."""
+    ) -> tuple[Gathering | None, bool]:
+        """Count ``request`` in the open round; the round (None once shut
+        down), and whether it was the last."""
         rank = request.group_rank
         with self._lock:
+            if self._stopped.is_set():
+                return None, False
             self._metadata[rank] = request.checkpoint_metadata
             current = self._quorum_round
             current.arrivals[rank] = request
@@ -324,11 +344,11 @@ class ManagerServer:
                 current.parked.append((rank, request, call))
             last = len(current.arrivals) == self._world_size
             if last:
-                self._quorum_round = _Round()
+                self._quorum_round = Gathering("quorum", self._world_size)
         return current, last
 
     def _quorum_outcome(
-        self, current: _Round, request: torchft_pb2.ManagerQuorumRequest
+        self, current: Gathering, request: torchft_pb2.ManagerQuorumRequest
     ) -> torchft_pb2.ManagerQuorumResponse | tuple[grpc.StatusCode, str]:
         """One rank's answer from a finished round: its response, or an error status."""
         if current.error is not None:
@@ -374,7 +394,7 @@ class ManagerServer:
             group_heals=any(r.heal for r in results),
         )
 
-    def _run_quorum(self, current: _Round) -> None:
+    def _run_quorum(self, current: Gathering) -> None:
         """Ask the lighthouse for the group, on the last arrival's thread.
 
         The earliest deadline bounds the call, so that its failure reaches
@@ -394,62 +414,42 @@ class ManagerServer:
             logger.exception("quorum round failed")
             current.error = (grpc.StatusCode.INTERNAL, f"manager server error: {exc}")
         finally:
+            if current.quorum is None and current.error is None:
+                current.error = (grpc.StatusCode.INTERNAL, "the quorum round was interrupted")
             current.done.set()
             self._answer_parked(current, self._quorum_outcome)
 
     # -- parked calls -----------------------------------------------------------
-    def _answer_parked(self, current: _Round, outcome: Callable[[_Round, Any], Any]) -> None:
-        """Answer the round's remote calls, on the server thread (from any thread)."""
-        if current.parked:
-            self._server.call_soon(lambda: self._answer(current, outcome))
+    def _answer_parked(self, current: Gathering, outcome: Callable[[Gathering, Any], Any]) -> None:
+        """Answer the round's remote calls, on the server thread (from any thread).
 
-    @staticmethod
-    def _answer(current: _Round, outcome: Callable[[_Round, Any], Any]) -> None:
-        for _, request, call in current.parked:
-            if call.done:
-                continue  # its client gave up or left
-            answer = outcome(current, request)
-            if isinstance(answer, tuple):
-                call.abort(*answer)
-            else:
-                call.reply(answer.SerializeToString())
+        Always scheduled: whether any call is parked is the server thread's
+        to read.
+        """
+        self._server.call_soon(lambda: current.answer(outcome))
 
     def _expire_parked(self) -> None:
         """The server's tick: end parked calls whose deadline passed."""
         with self._lock:
-            rounds = ((self._quorum_round, "quorum"), (self._commit_round, "commit"))
-        for current, what in rounds:
-            for _, _, call in current.parked:
-                if not call.done and not call.time_remaining():
-                    call.abort(grpc.StatusCode.DEADLINE_EXCEEDED, self._incomplete(current, what))
+            rounds = (self._quorum_round, self._commit_round)
+        for current in rounds:
+            current.expire()
 
     def _await(
         self,
-        current: _Round,
+        current: Gathering,
         request: Any,
         remaining: float,
         context: LocalContext,
-        what: str,
-        outcome: Callable[[_Round, Any], _R | tuple[grpc.StatusCode, str]],
+        outcome: Callable[[Gathering, Any], _R | tuple[grpc.StatusCode, str]],
     ) -> _R:
         """Group rank 0's wait for its round, on its own thread; its answer (or abort)."""
         if not current.done.wait(remaining):
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, self._incomplete(current, what))
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, current.incomplete())
         answer = outcome(current, request)
         if isinstance(answer, tuple):
             context.abort(*answer)
         return answer
-
-    def _incomplete(self, current: _Round, what: str) -> str:
-        if what == "quorum":
-            return (
-                f"quorum did not complete: {len(current.arrivals)} of "
-                f"{self._world_size} group ranks arrived"
-            )
-        return (
-            f"commit vote incomplete: {len(current.arrivals)} of "
-            f"{self._world_size} group ranks voted"
-        )
 
     # -- the other RPCs ---------------------------------------------------------
     def _checkpoint_metadata(
@@ -488,22 +488,25 @@ class ManagerServer:
     ) -> torchft_pb2.ShouldCommitResponse:
         """Group rank 0's vote, in process: waits on the caller's thread."""
         remaining = context.time_remaining()
-        problem = _timeout_problem(remaining) or self._rank_problem(request.group_rank)
+        problem = timeout_problem(remaining) or self._rank_problem(request.group_rank)
         if problem is not None:
             context.abort(*problem)
         current = self._vote(request, None)
-        return self._await(current, request, remaining, context, "commit", self._commit_outcome)
+        if current is None:
+            context.abort(*_SHUTTING_DOWN)
+        return self._await(current, request, remaining, context, self._commit_outcome)
 
     def _on_should_commit(self, call: ServerCall, payload: bytes) -> None:
         """A remote rank's vote, on the server thread: parked until every rank voted."""
         request = decode_request(call, torchft_pb2.ShouldCommitRequest, payload)
         if request is None:
             return
-        problem = _timeout_problem(call.time_remaining()) or self._rank_problem(request.group_rank)
+        problem = timeout_problem(call.time_remaining()) or self._rank_problem(request.group_rank)
         if problem is not None:
             call.abort(*problem)
             return
-        self._vote(request, call)
+        if self._vote(request, call) is None:
+            call.abort(*_SHUTTING_DOWN)
 
     def _rank_problem(self, rank: int) -> tuple[grpc.StatusCode, str] | None:
         if 0 <= rank < self._world_size:
@@ -513,16 +516,21 @@ class ManagerServer:
             f"group_rank {rank} is outside [0, {self._world_size})",
         )
 
-    def _vote(self, request: torchft_pb2.ShouldCommitRequest, call: ServerCall | None) -> _Round:
-        """Count one vote; the last one decides the round and answers the parked calls."""
+    def _vote(
+        self, request: torchft_pb2.ShouldCommitRequest, call: ServerCall | None
+    ) -> Gathering | None:
+        """Count one vote; the last one decides the round and answers the
+        parked calls. None once shut down."""
         with self._lock:
+            if self._stopped.is_set():
+                return None
             current = self._commit_round
             current.arrivals[request.group_rank] = (request.should_commit, request.step)
             if call is not None:
                 current.parked.append((request.group_rank, request, call))
             last = len(current.arrivals) == self._world_size
             if last:
-                self._commit_round = _Round()
+                self._commit_round = Gathering("commit", self._world_size)
                 votes = current.arrivals
                 steps = {s for _, s in votes.values()}
                 current.decision = all(v for v, _ in votes.values()) and len(steps) == 1
@@ -539,7 +547,7 @@ class ManagerServer:
 
     @staticmethod
     def _commit_outcome(
-        current: _Round, request: torchft_pb2.ShouldCommitRequest
+        current: Gathering, request: torchft_pb2.ShouldCommitRequest
     ) -> torchft_pb2.ShouldCommitResponse | tuple[grpc.StatusCode, str]:
         if current.error is not None:
             return current.error
@@ -563,22 +571,6 @@ class ManagerServer:
     def _die(self, msg: str) -> None:
         logger.warning("[%s] killed: %s", self._replica_id, msg)
         threading.Timer(0.1, os._exit, args=(1,)).start()
-
-
-def _timeout_problem(remaining: float | None) -> tuple[grpc.StatusCode, str] | None:
-    """Why a call's deadline is refused (None when it is fine).
-
-    Both waiting calls wait for the group's other ranks, so a call must say
-    how long. grpcio's servers report a call sent without a deadline as
-    centuries left.
-    """
-    if remaining is None or remaining > _MAX_CALL_S:
-        return (
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "missing timeout: send the call with a deadline (gRPC's grpc-timeout) "
-            f"of at most {_MAX_CALL_S:.0f} s",
-        )
-    return None
 
 
 def _fingerprint_problem(fingerprint: str) -> str:
