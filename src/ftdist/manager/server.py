@@ -421,12 +421,13 @@ class ManagerServer:
 
     # -- parked calls -----------------------------------------------------------
     def _answer_parked(self, current: Gathering, outcome: Callable[[Gathering, Any], Any]) -> None:
-        """Answer the round's remote calls, on the server thread (from any thread).
-
-        Always scheduled: whether any call is parked is the server thread's
-        to read.
-        """
-        self._server.call_soon(lambda: current.answer(outcome))
+        """Answer the round's remote calls, on the server thread (from any thread)."""
+        # Read here, off the server thread: every append happened under the
+        # lock before the round ended (later arrivals go to the next round,
+        # or are refused once shut down), and a pruning tick only drops
+        # answered calls. A group of one rank never wakes the server.
+        if current.parked:
+            self._server.call_soon(lambda: current.answer(outcome))
 
     def _expire_parked(self) -> None:
         """The server's tick: end parked calls whose deadline passed."""
