@@ -63,9 +63,6 @@ class ServerCall(Protocol):
     def metadata_value(self, key: str) -> str | None:
         """One invocation metadata value, or None."""
 
-    def time_remaining(self) -> float | None:
-        """Seconds until the client's deadline (0 once past); None without one."""
-
 
 class RpcServer(Protocol):
     """The owner's side of a single-threaded server."""

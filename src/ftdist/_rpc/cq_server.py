@@ -48,8 +48,6 @@ _NO_FLAGS = 0
 # latency of call_soon() and shutdown, and costs one wake-up each time.
 _MAX_POLL_S = 0.02
 _POSTED_REQUESTS = 256
-# grpcio reports a call sent without a deadline as centuries away.
-_NO_DEADLINE_S = 10 * 365 * 24 * 3600.0
 
 
 def _status(code: grpc.StatusCode) -> int:
@@ -67,8 +65,6 @@ class RpcCall:
         metadata: the client's invocation metadata, ``(key, value)`` pairs.
         done: the call has been answered (or its client went away).
         cancelled: its client cancelled it, disconnected or ran out of time.
-        deadline: when the client gives up, ``time.monotonic()``-based;
-            None when it sent no deadline.
     """
 
     __slots__ = (
@@ -80,21 +76,13 @@ class RpcCall:
         "_outbox",
         "_sending",
         "cancelled",
-        "deadline",
         "done",
         "metadata",
         "method",
     )
 
-    def __init__(
-        self,
-        call: Any,
-        method: str,
-        metadata: tuple[tuple[str, Any], ...] = (),
-        deadline: float | None = None,
-    ) -> None:
+    def __init__(self, call: Any, method: str, metadata: tuple[tuple[str, Any], ...] = ()) -> None:
         self._call = call
-        self.deadline = deadline
         self.method = method
         self.metadata = metadata
         self.done = False
@@ -154,12 +142,6 @@ class RpcCall:
             if k == key:
                 return v if isinstance(v, str) else bytes(v).decode("utf-8", "replace")
         return None
-
-    def time_remaining(self) -> float | None:
-        """Seconds until the client's deadline (0 once past); None without one."""
-        if self.deadline is None:
-            return None
-        return max(0.0, self.deadline - time.monotonic())
 
     def _end(self, ops: list[Any]) -> None:
         self.done = True
@@ -399,11 +381,7 @@ class CompletionQueueServer:
             return
         self._server.request_call(self._cq, self._cq, self._on_request_call)
         method = event.call_details.method.decode("utf-8", "replace")
-        # grpcio gives the deadline in wall-clock seconds; calls measure it
-        # on the monotonic clock, which a clock step cannot move.
-        left = event.call_details.deadline - time.time()
-        deadline = time.monotonic() + left if left < _NO_DEADLINE_S else None
-        rpc = RpcCall(event.call, method, tuple(event.invocation_metadata or ()), deadline)
+        rpc = RpcCall(event.call, method, tuple(event.invocation_metadata or ()))
         handler = handler_for(rpc, self._handlers, self._auth)
         if handler is None:
             return

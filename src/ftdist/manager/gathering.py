@@ -24,7 +24,7 @@ from typing import Any
 
 import grpc
 
-from ftdist._rpc.call import ServerCall
+from ftdist._rpc.h2_call import H2Call
 from ftdist.lighthouse.types import Quorum
 from ftdist.manager.rule import QuorumResult
 
@@ -65,7 +65,7 @@ class Gathering:
     diverged: frozenset[str] = frozenset()
     decision: bool = False
     error: tuple[grpc.StatusCode, str] | None = None
-    parked: list[tuple[int, Any, ServerCall]] = field(default_factory=list)
+    parked: list[tuple[int, Any, H2Call]] = field(default_factory=list)
     results: dict[bool, list[QuorumResult] | LookupError] = field(default_factory=dict)
 
     def incomplete(self) -> str:

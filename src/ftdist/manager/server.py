@@ -57,7 +57,8 @@ from ftdist._rpc import common as _rpc
 from ftdist._rpc._proto import torchft_pb2
 from ftdist._rpc._proto import torchft_pb2 as pb
 from ftdist._rpc.auth import metadata_refusal, server_credentials
-from ftdist._rpc.call import ServerCall, decode_request
+from ftdist._rpc.call import decode_request
+from ftdist._rpc.h2_call import H2Call
 from ftdist._rpc.h2_server import H2Server
 from ftdist._rpc.pool_server import PoolServer
 from ftdist.lighthouse.client import LighthouseClient
@@ -297,7 +298,7 @@ class ManagerServer:
             self._run_quorum(current)
         return self._await(current, request, remaining, context, self._quorum_outcome)
 
-    def _on_quorum(self, call: ServerCall, payload: bytes) -> None:
+    def _on_quorum(self, call: H2Call, payload: bytes) -> None:
         """A remote rank's quorum call, on the server thread: parked until its round ends."""
         request = decode_request(call, torchft_pb2.ManagerQuorumRequest, payload)
         if request is None:
@@ -328,7 +329,7 @@ class ManagerServer:
         self,
         request: torchft_pb2.ManagerQuorumRequest,
         remaining: float,
-        call: ServerCall | None,
+        call: H2Call | None,
     ) -> tuple[Gathering | None, bool]:
         """Count ``request`` in the open round; the round (None once shut
         down), and whether it was the last."""
@@ -462,7 +463,7 @@ class ManagerServer:
             context.abort(*outcome)
         return outcome
 
-    def _on_checkpoint_metadata(self, call: ServerCall, payload: bytes) -> None:
+    def _on_checkpoint_metadata(self, call: H2Call, payload: bytes) -> None:
         request = decode_request(call, torchft_pb2.CheckpointMetadataRequest, payload)
         if request is None:
             return
@@ -497,7 +498,7 @@ class ManagerServer:
             context.abort(*_SHUTTING_DOWN)
         return self._await(current, request, remaining, context, self._commit_outcome)
 
-    def _on_should_commit(self, call: ServerCall, payload: bytes) -> None:
+    def _on_should_commit(self, call: H2Call, payload: bytes) -> None:
         """A remote rank's vote, on the server thread: parked until every rank voted."""
         request = decode_request(call, torchft_pb2.ShouldCommitRequest, payload)
         if request is None:
@@ -518,7 +519,7 @@ class ManagerServer:
         )
 
     def _vote(
-        self, request: torchft_pb2.ShouldCommitRequest, call: ServerCall | None
+        self, request: torchft_pb2.ShouldCommitRequest, call: H2Call | None
     ) -> Gathering | None:
         """Count one vote; the last one decides the round and answers the
         parked calls. None once shut down."""
@@ -561,7 +562,7 @@ class ManagerServer:
         self._die(request.msg)
         return torchft_pb2.KillResponse()
 
-    def _on_kill(self, call: ServerCall, payload: bytes) -> None:
+    def _on_kill(self, call: H2Call, payload: bytes) -> None:
         request = decode_request(call, torchft_pb2.KillRequest, payload)
         if request is None:
             return
