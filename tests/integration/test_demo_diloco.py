@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,5 +52,18 @@ def test_diloco_demo_with_failures_ends_with_one_global_state(
     recoveries = [h for h in main["heals"] if h["role"] == "receive" and h["step"] > 1]
     assert len(recoveries) >= len(main["injections"])
     assert main["unexpected_exits"] == []
-    assert main["loss"]["last"] < main["loss"]["first"], main["loss"]
+    assert main["loss"]["last"] < main["loss"]["first"], _why_no_learning(main)
     run.assert_nothing_left()
+
+
+def _why_no_learning(main: dict[str, Any]) -> str:
+    """What a run that did not learn looked like: its steps, who took part
+    and who healed each, so that a failure under load explains itself."""
+    heals = [(h["step"], h["replica"]) for h in main["heals"] if h["role"] == "receive"]
+    tail = [(p["step"], p["participants"], p["loss"]) for p in main["curve"][-30:]]
+    return (
+        f"loss {main['loss']}; {len(main['curve'])} steps committed in {main['duration_s']} s; "
+        f"{len(heals)} heals received (step, replica): {heals[-40:]}; injections "
+        f"{main['injections']}; failed steps {main['failed_steps'][-20:]}; "
+        f"last steps (step, participants, loss): {tail}"
+    )

@@ -32,10 +32,10 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from ftdist._rpc._proto import ftdist_pb2, torchft_pb2
 from ftdist.lighthouse.history import Histogram, JobHistory
+from ftdist.lighthouse.news import News, Subscriber
 from ftdist.lighthouse.quorum import (
     LighthouseState,
     Participant,
@@ -94,19 +94,6 @@ Deliver = Callable[[FormedQuorum | None], None]
 """Answers a parked request: with its quorum, or None if the lighthouse closes."""
 
 
-class Subscriber(Protocol):
-    """Receives serialized ``ftdist.LighthouseEvent`` messages."""
-
-    def send(self, payload: bytes) -> None:
-        """Deliver one event.
-
-        A subscriber that cannot keep up ends its own stream.
-        """
-
-    def close(self) -> None:
-        """The lighthouse is closing; end the stream."""
-
-
 class _Waiter:
     """A parked quorum request."""
 
@@ -160,7 +147,7 @@ class LighthouseEngine:
         # Replica groups that left on purpose, oldest first; bounded, since
         # every restart of a group is a new id.
         self._left: dict[str, None] = {}
-        self._subscribers: set[Subscriber] = set()
+        self._news = News(wall_clock)
         self._streams = StreamWatch()
         self._last_reason = ""
         self.closed = False
@@ -184,11 +171,16 @@ class LighthouseEngine:
         its members asking again unchanged get it back, same id; any other
         quorum gets a higher id, and none forms before ``learning_until``
         (engine clock; None: no wait). ``member_ids`` is None if none was issued.
+        Its members count as heartbeating from now, as at the old leader: one
+        still timing out there is waited for, not left out and healed forward.
         """
         state = self.state
         state.quorum_id = quorum_id
         state.prev_member_ids = member_ids
         state.learning_until = learning_until
+        now = self._clock()
+        for replica_id in member_ids or ():
+            state.heartbeats.setdefault(replica_id, now)
         self._prev_set = frozenset(member_ids or ())
         self._num_prev_present = sum(1 for rid in state.participants if rid in self._prev_set)
 
@@ -527,24 +519,6 @@ class LighthouseEngine:
 
     # -- failure news -----------------------------------------------------
 
-    def _event(
-        self,
-        kind: ftdist_pb2.EventKind,
-        replica_id: str = "",
-        reason: str = "",
-        replica_ids: tuple[str, ...] = (),
-    ) -> bytes:
-        event = ftdist_pb2.LighthouseEvent(
-            kind=kind,
-            quorum_id=self.state.quorum_id,
-            replica_id=replica_id,
-            reason=reason,
-            replica_ids=replica_ids,
-        )
-        event.time.FromNanoseconds(int(self._wall_clock() * 1e9))
-        payload: bytes = event.SerializeToString()
-        return payload
-
     def _publish(
         self,
         kind: ftdist_pb2.EventKind,
@@ -552,11 +526,7 @@ class LighthouseEngine:
         reason: str = "",
         replica_ids: tuple[str, ...] = (),
     ) -> None:
-        if not self._subscribers:
-            return
-        payload = self._event(kind, replica_id, reason, replica_ids)
-        for subscriber in list(self._subscribers):
-            subscriber.send(payload)
+        self._news.publish(kind, self.state.quorum_id, replica_id, reason, replica_ids)
 
     def subscribe(self, subscriber: Subscriber) -> None:
         """Start sending events to ``subscriber``, beginning with SUBSCRIBED
@@ -568,17 +538,16 @@ class LighthouseEngine:
             subscriber.close()
             return
         members = self.current.member_ids if self.current is not None else ()
-        self._subscribers.add(subscriber)
-        subscriber.send(self._event(ftdist_pb2.SUBSCRIBED, replica_ids=members))
+        self._news.add(subscriber, self.state.quorum_id, members)
 
     def unsubscribe(self, subscriber: Subscriber) -> None:
         """Stop sending events to ``subscriber``."""
-        self._subscribers.discard(subscriber)
+        self._news.discard(subscriber)
 
     @property
     def num_subscribers(self) -> int:
         """How many event streams are open."""
-        return len(self._subscribers)
+        return len(self._news)
 
     def close(self) -> None:
         """Answer every parked request with None and close every stream.
@@ -593,6 +562,4 @@ class LighthouseEngine:
         for parked in waiters.values():
             for waiter in parked:
                 waiter.deliver(None)
-        subscribers, self._subscribers = self._subscribers, set()
-        for subscriber in subscribers:
-            subscriber.close()
+        self._news.close()
