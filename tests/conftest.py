@@ -30,6 +30,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from _pytest.nodes import Node
 
 from tests import _diagnostics
 
@@ -143,6 +144,31 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         tier = next((_TIERS[p] for p in reversed(parts) if p in _TIERS), None)
         if tier is not None:
             item.add_marker(tier)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Refuse to run when pytest-xdist's ``--dist loadgroup`` would have no effect.
+
+    The heavy tests (demos, chaos, the replicated lighthouse) are kept off
+    each other by ``xdist_group``; run side by side on two cores they starve
+    each other's replica groups into failures that are not ours. xdist groups
+    a test by setting its ``_nodeid`` to ``nodeid@group``; pytest 9.2 stopped
+    reading ``_nodeid``, which spread the groups over every worker, silently.
+    """
+    if config.getoption("dist", None) != "loadgroup":
+        return
+    probe = object.__new__(Node)
+    try:
+        probe._nodeid = "probe@group"
+        honoured = probe.nodeid == "probe@group"
+    except AttributeError:
+        honoured = False
+    if not honoured:
+        raise pytest.UsageError(
+            f"pytest-xdist's --dist loadgroup has no effect with pytest {pytest.__version__}: "
+            "the heavy tests would run side by side and starve each other. Install the "
+            "versions that pyproject.toml's dev extra pins (make setup)."
+        )
 
 
 # -- diagnostics of failing tests (tests/_diagnostics.py) ---------------------------------------

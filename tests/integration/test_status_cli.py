@@ -260,8 +260,9 @@ def test_unreachable_lighthouse_as_a_process() -> None:
     assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
 
 
-def _ignore_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+# As under nohup: SIGINT ignored, a disposition that survives exec. Set by a
+# shell rather than a preexec_fn, which is unsafe in this threaded process.
+_SIGINT_IGNORED = ["sh", "-c", 'trap "" INT; exec "$@"', "sh"]
 
 
 class WatchProcess:
@@ -269,12 +270,10 @@ class WatchProcess:
 
     def __init__(self, *args: str, sigint_ignored: bool = False) -> None:
         self.proc = subprocess.Popen(
-            [*STATUS_CMD, *args],
+            [*(_SIGINT_IGNORED if sigint_ignored else []), *STATUS_CMD, *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            # As under nohup: the disposition survives exec.
-            preexec_fn=_ignore_sigint if sigint_ignored else None,
         )
         self.seen: list[str] = []
 
@@ -288,7 +287,15 @@ class WatchProcess:
             self.seen.append(line)
             if re.search(pattern, line):
                 return line
-        raise AssertionError(f"never printed {pattern!r}: {''.join(self.seen[-40:])}")
+        # The process may have ended: say how, and what it wrote to stderr.
+        code = self.proc.poll()
+        err = ""
+        if code is not None and self.proc.stderr is not None:
+            err = self.proc.stderr.read()[-4000:]
+        raise AssertionError(
+            f"never printed {pattern!r} (exit code {code}): {''.join(self.seen[-40:])}\n"
+            f"stderr: {err}"
+        )
 
     def interrupt(self) -> tuple[int, str]:
         if self.proc.poll() is None:
