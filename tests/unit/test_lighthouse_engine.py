@@ -380,19 +380,25 @@ def test_parked_counts_waiting_requests_per_replica() -> None:
     assert first.ids == second.ids == ("a", "b")
 
 
+def _taken_over(seconds: int) -> tuple[LighthouseEngine, Answer]:
+    """A new leader of the quorum ("a", "b") that only "a" asked, ``seconds`` ago."""
+    engine, clock = make(min_replicas=1, join_timeout_s=30.0)
+    engine.restore(7, ("a", "b"), learning_until=clock.now + 1.0)
+    answer = Answer()
+    engine.join(member("a"), answer)
+    for _ in range(seconds):
+        clock.now += 1.0
+        engine.heartbeat("a")
+        engine.tick()
+    return engine, answer
+
+
 def test_a_new_leader_waits_a_heartbeat_timeout_for_a_previous_member() -> None:
     # The failover the replicated-lighthouse test hit: "b"'s client was still
     # timing out against the stopped old leader when the learning wait ended,
     # and "a" alone formed a quorum; "b" then healed forward, skipping a step.
-    engine, clock = make(min_replicas=1, join_timeout_s=30.0)
-    engine.restore(7, ("a", "b"), learning_until=clock.now + 1.0)
-    first = Answer()
-    engine.join(member("a"), first)
-    for _ in range(4):
-        clock.now += 1.0
-        engine.heartbeat("a")
-        engine.tick()
-        assert first.results == []
+    engine, first = _taken_over(4)
+    assert first.results == []
     late = Answer()
     engine.join(member("b"), late)
     assert first.ids == late.ids == ("a", "b")
@@ -401,14 +407,7 @@ def test_a_new_leader_waits_a_heartbeat_timeout_for_a_previous_member() -> None:
 
 
 def test_a_previous_member_that_never_finds_the_new_leader_is_left_out() -> None:
-    engine, clock = make(min_replicas=1, join_timeout_s=30.0)
-    engine.restore(7, ("a", "b"), learning_until=clock.now + 1.0)
-    answer = Answer()
-    engine.join(member("a"), answer)
-    for _ in range(6):
-        clock.now += 1.0
-        engine.heartbeat("a")
-        engine.tick()
+    _, answer = _taken_over(6)
     assert answer.ids == ("a",)
     formed = answer.results[0]
     assert formed is not None and formed.quorum.quorum_id == 8
