@@ -288,7 +288,10 @@ class WatchProcess:
             if re.search(pattern, line):
                 return line
         # The process may have ended: say how, and what it wrote to stderr.
-        code = self.proc.poll()
+        try:
+            code: int | None = self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
         err = ""
         if code is not None and self.proc.stderr is not None:
             err = self.proc.stderr.read()[-4000:]

@@ -176,6 +176,30 @@ def test_during_learning_only_the_fast_quorum_forms(
         assert decision.members is not None
 
 
+@PROPERTY
+@given(
+    asking=st.lists(st.sampled_from("abcde"), unique=True, min_size=1),
+    prev=st.lists(st.sampled_from("abcde"), unique=True, min_size=1).map(tuple),
+    silent=st.sets(st.sampled_from("abcde")),
+    now=st.floats(0.5, 8, allow_nan=False),
+)
+def test_until_the_takeover_ends_no_quorum_leaves_out_a_healthy_previous_member(
+    asking: list[str], prev: tuple[str, ...], silent: set[str], now: float
+) -> None:
+    state = _state(asking, prev, until=None)
+    state.takeover_until = 5.0
+    for rid in prev:
+        if rid not in silent:
+            state.heartbeats.setdefault(rid, 0.5)  # seeded at the takeover
+    decision = compute_quorum(now, state, SETTINGS)
+    if decision.members is None:
+        return
+    chosen = {m.replica_id for m in decision.members}
+    healthy = {rid for rid, seen in state.heartbeats.items() if now - seen < 5}
+    if now < 5.0:
+        assert chosen >= set(prev) & healthy, decision.reason
+
+
 # -- settings ---------------------------------------------------------------------
 
 

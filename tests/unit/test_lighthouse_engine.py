@@ -380,34 +380,56 @@ def test_parked_counts_waiting_requests_per_replica() -> None:
     assert first.ids == second.ids == ("a", "b")
 
 
-def _taken_over(seconds: int) -> tuple[LighthouseEngine, Answer]:
-    """A new leader of the quorum ("a", "b") that only "a" asked, ``seconds`` ago."""
-    engine, clock = make(min_replicas=1, join_timeout_s=30.0)
-    engine.restore(7, ("a", "b"), learning_until=clock.now + 1.0)
+def _taken_over(
+    seconds: int, members: tuple[str, ...] = ("a", "b")
+) -> tuple[LighthouseEngine, Answer]:
+    """A new leader of the quorum ``members`` that only "a" (and "b" of three) asked,
+    ``seconds`` ago; the join timeout (0.5 s) has long passed."""
+    engine, clock = make(min_replicas=1, join_timeout_s=0.5)
+    engine.restore(7, members, learning_until=clock.now + 1.0)
     answer = Answer()
     engine.join(member("a"), answer)
+    if len(members) == 3:
+        engine.join(member("b"), Answer())
     for _ in range(seconds):
         clock.now += 1.0
-        engine.heartbeat("a")
+        for rid in ("a", "b")[: len(members) - 1]:
+            engine.heartbeat(rid)
         engine.tick()
     return engine, answer
 
 
-def test_a_new_leader_waits_a_heartbeat_timeout_for_a_previous_member() -> None:
+@pytest.mark.parametrize("members", [("a", "b"), ("a", "b", "c")])
+def test_a_new_leader_waits_a_heartbeat_timeout_for_a_previous_member(
+    members: tuple[str, ...],
+) -> None:
     # The failover the replicated-lighthouse test hit: "b"'s client was still
     # timing out against the stopped old leader when the learning wait ended,
     # and "a" alone formed a quorum; "b" then healed forward, skipping a step.
-    engine, first = _taken_over(4)
+    # With three groups the split-brain guard passes without the late one:
+    # the join timeout must not leave it out either.
+    engine, first = _taken_over(4, members)
     assert first.results == []
-    late = Answer()
-    engine.join(member("b"), late)
-    assert first.ids == late.ids == ("a", "b")
+    for rid in members[1:]:
+        engine.join(member(rid), Answer())
+    assert first.ids == members
     formed = first.results[0]
     assert formed is not None and formed.quorum.quorum_id == 7
 
 
-def test_a_previous_member_that_never_finds_the_new_leader_is_left_out() -> None:
-    _, answer = _taken_over(6)
-    assert answer.ids == ("a",)
+@pytest.mark.parametrize("members", [("a", "b"), ("a", "b", "c")])
+def test_a_previous_member_that_never_finds_the_new_leader_is_left_out(
+    members: tuple[str, ...],
+) -> None:
+    engine, answer = _taken_over(4, members)
+    assert answer.results == [], "formed before a heartbeat timeout passed"
+    clock = engine._clock
+    assert isinstance(clock, FakeClock)
+    for _ in range(2):
+        clock.now += 1.0
+        for rid in members[:-1]:
+            engine.heartbeat(rid)
+        engine.tick()
+    assert answer.ids == members[:-1]
     formed = answer.results[0]
     assert formed is not None and formed.quorum.quorum_id == 8

@@ -171,14 +171,16 @@ class LighthouseEngine:
         its members asking again unchanged get it back, same id; any other
         quorum gets a higher id, and none forms before ``learning_until``
         (engine clock; None: no wait). ``member_ids`` is None if none was issued.
-        Its members count as heartbeating from now, as at the old leader: one
-        still timing out there is waited for, not left out and healed forward.
+        Its members count as heartbeating from now, and for a heartbeat
+        timeout no quorum forms without them (``takeover_until``): one still
+        timing out against the old leader is waited for, not healed forward.
         """
         state = self.state
         state.quorum_id = quorum_id
         state.prev_member_ids = member_ids
         state.learning_until = learning_until
         now = self._clock()
+        state.takeover_until = now + self.settings.heartbeat_timeout_s if member_ids else None
         for replica_id in member_ids or ():
             state.heartbeats.setdefault(replica_id, now)
         self._prev_set = frozenset(member_ids or ())
@@ -369,6 +371,7 @@ class LighthouseEngine:
 
         state.quorum_id = id_decision.quorum_id
         state.prev_member_ids = member_ids
+        state.takeover_until = None  # every member of this one has found this leader
         state.participants.clear()
         self._prev_set = formed.member_set
         self._num_prev_present = 0

@@ -22,7 +22,9 @@ The rule is torchft's, reason strings included (tools grep for them):
   ``join_timeout_s`` after the first participant joined for healthy replicas
   that heartbeat but have not asked yet.
 * A lighthouse that has just become the leader of a replicated set forms
-  only the fast quorum until ``learning_until`` (see :class:`LighthouseState`).
+  only the fast quorum until ``learning_until``, and until ``takeover_until``
+  no quorum that leaves out a healthy member of the previous one (see
+  :class:`LighthouseState`).
 * Members are sorted by ``replica_id``, and a quorum is never empty (torchft
   would form an empty one when ``shrink_only`` excludes every participant).
 * Members cut off from their peers, by their own reports, are left out
@@ -147,9 +149,15 @@ class LighthouseState(Generic[M]):
         quorum_id: id of the previous quorum (0 before the first).
         learning_until: a lighthouse that has just taken over as leader
             (:mod:`ftdist.lighthouse.replica`) forms no new (non-fast)
-            quorum before this time: its heartbeat table starts empty, and
-            the split-brain guard must count the replicas that are alive,
-            not only those that have found it yet. None: no such wait.
+            quorum before this time: it has heard from no replica outside
+            the previous quorum yet, and the split-brain guard must count
+            the replicas that are alive, not only those that have found it
+            yet. None: no such wait.
+        takeover_until: before this time (one heartbeat timeout after a
+            takeover), no quorum forms without a healthy member of the
+            previous quorum: its client may still be timing out against the
+            old leader, and the join timeout must not leave it out (it would
+            heal forward and skip a step). None: no such wait.
     """
 
     participants: dict[str, Participant[M]] = field(default_factory=dict)
@@ -157,6 +165,7 @@ class LighthouseState(Generic[M]):
     prev_member_ids: tuple[str, ...] | None = None
     quorum_id: int = 0
     learning_until: float | None = None
+    takeover_until: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +259,23 @@ def compute_quorum(
             f"{state.learning_until - now:.2f} s more to learn which replicas are alive "
             f"(only the previous quorum asking again forms at once) {metadata}",
         )
+    takeover_until = state.takeover_until
+    if prev_ids is not None and takeover_until is not None and now < takeover_until:
+        heartbeats = state.heartbeats
+        awaited = sum(
+            1
+            for rid in prev_ids
+            if rid not in healthy_participants
+            and rid in heartbeats
+            and now - heartbeats[rid] < heartbeat_timeout
+        )
+        if awaited:
+            return QuorumDecision(
+                None,
+                f"New quorum not ready: this lighthouse took over as leader and waits up to "
+                f"{takeover_until - now:.2f} s more for {awaited} healthy member(s) of the "
+                f"previous quorum that have not asked yet {metadata}",
+            )
     if num_participants < settings.min_replicas:
         return QuorumDecision(
             None,
