@@ -386,6 +386,14 @@ def main() -> int:
         help="with --client native: spread the N clients over this many processes "
         f"[default: one per {_GROUPS_PER_PROCESS} groups]",
     )
+    parser.add_argument(
+        "--cycles",
+        type=int,
+        default=1,
+        help="with --against torchft: run the ftdist, torchft, torchft, ftdist cycle this "
+        "many times per N; the summary takes the median of the cycles' ratios (at N = 2 "
+        "one cycle's ratio moved from 1.14x to 1.41x within an hour) [default: 1]",
+    )
     parser.add_argument("--timeout", type=float, default=60.0, help="per-RPC timeout, seconds")
     parser.add_argument(
         "--token",
@@ -395,6 +403,8 @@ def main() -> int:
         "token check's cost) [default: off]; needs --client aio",
     )
     args = parser.parse_args()
+    if args.cycles < 1:
+        parser.error(f"--cycles {args.cycles}: give at least 1")
     if args.token != "off" and args.client != "aio":
         parser.error("--token needs --client aio (the threaded clients send no bench token)")
     if args.client in ("native", "own") and not _has_native_client():
@@ -424,19 +434,26 @@ def main() -> int:
         if args.against == "torchft":
             torchft_cmd = _torchft_server_cmd()
             assert torchft_cmd is not None
-            p50s: dict[str, list[float]] = {"ftdist": [], "torchft": []}
-            for name in ("ftdist", "torchft", "torchft", "ftdist"):
-                cmd = args.server_cmd if name == "ftdist" else torchft_cmd
-                steady, line = _measure(args, cmd, name, n, rounds, None, send=False)
-                p50s[name].append(_percentile(steady, 0.5))
-                print(line, flush=True)
-            ratios[n] = statistics.fmean(p50s["ftdist"]) / statistics.fmean(p50s["torchft"])
-            print(
-                f"{n:>5} ratio: ftdist / torchft mean steady p50 = {ratios[n]:.2f}x "
-                f"({statistics.fmean(p50s['ftdist']) * 1e3:.2f} / "
-                f"{statistics.fmean(p50s['torchft']) * 1e3:.2f} ms)",
-                flush=True,
-            )
+            cycle_ratios = []
+            for _ in range(args.cycles):
+                p50s: dict[str, list[float]] = {"ftdist": [], "torchft": []}
+                for name in ("ftdist", "torchft", "torchft", "ftdist"):
+                    cmd = args.server_cmd if name == "ftdist" else torchft_cmd
+                    steady, line = _measure(args, cmd, name, n, rounds, None, send=False)
+                    p50s[name].append(_percentile(steady, 0.5))
+                    print(line, flush=True)
+                ratio = statistics.fmean(p50s["ftdist"]) / statistics.fmean(p50s["torchft"])
+                cycle_ratios.append(ratio)
+                print(
+                    f"{n:>5} ratio: ftdist / torchft mean steady p50 = {ratio:.2f}x "
+                    f"({statistics.fmean(p50s['ftdist']) * 1e3:.2f} / "
+                    f"{statistics.fmean(p50s['torchft']) * 1e3:.2f} ms)",
+                    flush=True,
+                )
+            ratios[n] = statistics.median(cycle_ratios)
+            if args.cycles > 1:
+                shown = " ".join(f"{r:.2f}x" for r in cycle_ratios)
+                print(f"{n:>5} median of {args.cycles} cycles: {ratios[n]:.2f}x ({shown})")
             continue
         token_p50s: dict[bool, list[float]] = {False: [], True: []}
         for token in modes:
@@ -449,7 +466,8 @@ def main() -> int:
             print(f"{n:>5} token check: mean p50 with / without = {ratio:.3f}", flush=True)
     if ratios:
         same = "each lighthouse with its own client" if args.client == "own" else "same client"
-        print(f"\nsummary (ftdist / torchft steady p50, same run, {same}):")
+        cycles = f", median of {args.cycles} cycles" if args.cycles > 1 else ""
+        print(f"\nsummary (ftdist / torchft steady p50, same run, {same}{cycles}):")
         print("  " + "  ".join(f"N={n}: {r:.2f}x" for n, r in ratios.items()))
         worst = max(ratios.values())
         print(
