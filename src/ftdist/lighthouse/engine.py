@@ -529,7 +529,17 @@ class LighthouseEngine:
         reason: str = "",
         replica_ids: tuple[str, ...] = (),
     ) -> None:
-        self._news.publish(kind, self.state.quorum_id, replica_id, reason, replica_ids)
+        if not self._news:
+            return  # no listener: nothing to build
+        self._news.publish(
+            ftdist_pb2.LighthouseEvent(
+                kind=kind,
+                quorum_id=self.state.quorum_id,
+                replica_id=replica_id,
+                reason=reason,
+                replica_ids=replica_ids,
+            )
+        )
 
     def subscribe(self, subscriber: Subscriber) -> None:
         """Start sending events to ``subscriber``, beginning with SUBSCRIBED
@@ -541,7 +551,12 @@ class LighthouseEngine:
             subscriber.close()
             return
         members = self.current.member_ids if self.current is not None else ()
-        self._news.add(subscriber, self.state.quorum_id, members)
+        self._news.add(
+            subscriber,
+            ftdist_pb2.LighthouseEvent(
+                kind=ftdist_pb2.SUBSCRIBED, quorum_id=self.state.quorum_id, replica_ids=members
+            ),
+        )
 
     def unsubscribe(self, subscriber: Subscriber) -> None:
         """Stop sending events to ``subscriber``."""

@@ -45,46 +45,22 @@ class News:
     def __len__(self) -> int:
         return len(self._subscribers)
 
-    def event(
-        self,
-        kind: ftdist_pb2.EventKind,
-        quorum_id: int,
-        replica_id: str = "",
-        reason: str = "",
-        replica_ids: tuple[str, ...] = (),
-    ) -> bytes:
-        """One serialized event, stamped now."""
-        event = ftdist_pb2.LighthouseEvent(
-            kind=kind,
-            quorum_id=quorum_id,
-            replica_id=replica_id,
-            reason=reason,
-            replica_ids=replica_ids,
-        )
+    def _payload(self, event: ftdist_pb2.LighthouseEvent) -> bytes:
         event.time.FromNanoseconds(int(self._wall_clock() * 1e9))
         payload: bytes = event.SerializeToString()
         return payload
 
-    def publish(
-        self,
-        kind: ftdist_pb2.EventKind,
-        quorum_id: int,
-        replica_id: str = "",
-        reason: str = "",
-        replica_ids: tuple[str, ...] = (),
-    ) -> None:
-        """Send one event to every subscriber (serialized only if there is one)."""
-        if not self._subscribers:
-            return
-        payload = self.event(kind, quorum_id, replica_id, reason, replica_ids)
+    def publish(self, event: ftdist_pb2.LighthouseEvent) -> None:
+        """Stamp ``event`` now and send it, serialized once, to every subscriber."""
+        payload = self._payload(event)
         # A subscriber may unsubscribe itself while it is sent to.
         for subscriber in list(self._subscribers):
             subscriber.send(payload)
 
-    def add(self, subscriber: Subscriber, quorum_id: int, members: tuple[str, ...]) -> None:
-        """Subscribe, starting with SUBSCRIBED, which carries the current members."""
+    def add(self, subscriber: Subscriber, event: ftdist_pb2.LighthouseEvent) -> None:
+        """Subscribe, starting with ``event`` (SUBSCRIBED, with the current members)."""
         self._subscribers.add(subscriber)
-        subscriber.send(self.event(ftdist_pb2.SUBSCRIBED, quorum_id, replica_ids=members))
+        subscriber.send(self._payload(event))
 
     def discard(self, subscriber: Subscriber) -> None:
         """Stop sending to ``subscriber`` (nothing if it was not subscribed)."""
