@@ -380,7 +380,13 @@ def test_a_reader_that_never_answers_cannot_hold_the_state() -> None:
                 conn.sendall(_direct.COPIED)
             except OSError:
                 pass
-            assert conn.recv(100) == b""
+            try:
+                rest = conn.recv(100)
+            except ConnectionResetError:
+                # COPIED reached a socket the source had already closed, and
+                # the kernel answered with a reset: hung up all the same.
+                rest = b""
+            assert rest == b""
     finally:
         src.shutdown()
 
