@@ -101,6 +101,7 @@ typecheck: setup
 	$(VENV)/bin/mypy
 
 bench: setup
+	$(PY) -m compileall -q src
 	$(PY) bench/process_group.py
 	$(PY) bench/lighthouse.py
 	$(PY) bench/manager_round.py

@@ -257,6 +257,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = p.parse_args(argv)
     import torch
+    from _bytecode import compile_ftdist
+
+    compile_ftdist()  # as pip compiles torchft's wheel: see _bytecode.py
 
     started = time.monotonic()
     print(
