@@ -16,7 +16,11 @@ import os
 # client it brings in) is what a fault-tolerant rank builds first: a
 # replacement's Manager() imported it after the fork, 30 ms from bytecode and
 # 130 ms where none is written (PYTHONDONTWRITEBYTECODE), inside its restart.
-# Importing gRPC creates no channel or thread, so forking after it is safe.
+# Importing gRPC creates no channel or thread and leaves its core
+# uninitialised, so forking after it is safe. What these imports read from
+# the environment (torch's settings, GRPC_VERBOSITY, GRPC_TRACE, protobuf's)
+# is the launcher's, read once here (docs/launch.md); ftdist reads its own
+# settings when they are used, so a child may still set them.
 PRELOAD = [
     "torch",
     "torch.distributed",

@@ -19,7 +19,8 @@ times; :meth:`_TimeoutManager.shutdown` stops it at once. Callbacks run on
 the timer thread and must not block: every other timeout waits for them. A
 watchdog thread, alive alongside the timer thread, treats a callback that
 runs longer than ``FTDIST_WATCHDOG_TIMEOUT_SEC`` (or torchft's
-``TORCHFT_WATCHDOG_TIMEOUT_SEC``; default 30 s) as a stuck process: with
+``TORCHFT_WATCHDOG_TIMEOUT_SEC``; default 30 s, read when the timer thread
+first starts) as a stuck process: with
 timeouts no longer firing, a fault could hang the job, so it prints
 ``TimeoutManager is stuck. Exiting.`` and exits with status 1, as torchft's
 does.
@@ -143,7 +144,10 @@ class _TimeoutManager:
         self._stopping = False
         # monotonic start of the callback running now, for the watchdog
         self._running_since: float | None = None
-        self._watchdog_interval = _watchdog_interval()
+        # Read from the environment when the threads first start, not at
+        # import: a process forked from a fork server that imported this
+        # module (ftdist._forkserver) sets its own environment after the fork.
+        self._watchdog_interval: timedelta | None = None
         # Accelerator events are destroyed on a caller's thread, never on the
         # timer thread: destroying one can block while the device queue is full.
         self._del_queue: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -168,6 +172,8 @@ class _TimeoutManager:
         self._stopping = False
         if self._thread is not None:
             return
+        if self._watchdog_interval is None:
+            self._watchdog_interval = _watchdog_interval()
         self._thread_done = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name="ftdist-timeout-manager", daemon=True
@@ -225,9 +231,13 @@ class _TimeoutManager:
         finally:
             self._thread_done.set()
 
+    def _watchdog_interval_s(self) -> float:
+        interval = self._watchdog_interval  # set before the thread starts
+        return (interval or _DEFAULT_WATCHDOG).total_seconds()
+
     def _watchdog_loop(self, done: threading.Event) -> None:
-        while not done.wait(self._watchdog_interval.total_seconds() / 2):
-            interval = self._watchdog_interval.total_seconds()
+        while not done.wait(self._watchdog_interval_s() / 2):
+            interval = self._watchdog_interval_s()
             with self._cond:
                 since = self._running_since
             if since is not None and time.monotonic() - since > interval:

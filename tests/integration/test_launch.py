@@ -12,10 +12,13 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from ftdist._forkserver import forkserver_context
 from ftdist.errors import ProcessFailedError
 from ftdist.launch import MultiprocessConfig, launch_subprocesses
 from ftdist.launch.layout import parallel_layout
@@ -218,3 +221,34 @@ def test_children_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
             pid = int(record.read_text().split()[0])
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _watchdog_interval_set_after_the_fork(conn: Any) -> None:
+    preloaded = "ftdist.futures" in sys.modules
+    os.environ["FTDIST_WATCHDOG_TIMEOUT_SEC"] = "7"
+    from ftdist.futures import _TIMEOUT_MANAGER, context_timeout
+
+    with context_timeout(lambda: None, timedelta(seconds=5)):  # starts the timer thread
+        pass
+    interval = _TIMEOUT_MANAGER._watchdog_interval
+    conn.send((preloaded, None if interval is None else interval.total_seconds()))
+    _TIMEOUT_MANAGER.shutdown()
+
+
+def test_a_child_of_the_fork_server_sets_its_environment_after_the_preloaded_imports() -> None:
+    # The fork server imports the Manager's modules once for every child; a
+    # setting those modules hold must still come from the child's environment.
+    ctx = forkserver_context()
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_watchdog_interval_set_after_the_fork, args=(child,))
+    proc.start()
+    try:
+        assert parent.poll(60), f"the child sent nothing (exit code {proc.exitcode})"
+        preloaded, seconds = parent.recv()
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+    assert preloaded, "the fork server no longer imports ftdist.futures (with the Manager)"
+    assert seconds == 7.0

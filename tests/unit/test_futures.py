@@ -151,3 +151,17 @@ def test_stream_timeout_without_an_accelerator_never_calls_back() -> None:
 def test_timeouts_are_checked_before_anything_is_scheduled() -> None:
     with pytest.raises(TypeError, match=r"timeout must be a datetime\.timedelta"):
         future_timeout(Future(), "soon")  # type: ignore[arg-type]
+
+
+def test_the_watchdog_interval_is_read_when_the_timer_thread_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Not at import: a process forked from a fork server that imported this
+    # module sets its own environment after the fork.
+    manager = futures._TimeoutManager()
+    monkeypatch.setenv("FTDIST_WATCHDOG_TIMEOUT_SEC", "7")
+    try:
+        manager._schedule(lambda: None, SHORT)
+        assert manager._watchdog_interval == timedelta(seconds=7)
+    finally:
+        manager.shutdown()
