@@ -556,3 +556,46 @@ def test_a_write_the_server_never_reads_ends_at_the_deadline() -> None:
             done.set()
     assert late.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED, late.value
     assert len(peer.links) == 1
+
+
+def test_a_reset_after_the_whole_response_leaves_the_calls_outcome() -> None:
+    # gRPC's C core, ending a call at its deadline, writes the trailers and a
+    # RST_STREAM(NO_ERROR) together: the status is the outcome, not the reset.
+    no_error = struct.pack(">I", 0)
+
+    def script(link: _Link) -> None:
+        stream, _, message = link.request()
+        head = literal(":status", "200") + literal("content-type", "application/grpc")
+        body = b"\x00" + struct.pack(">I", len(message)) + message
+        link.sock.sendall(
+            frame(HEADERS, END_HEADERS, stream, head)
+            + frame(DATA, 0, stream, body)
+            + frame(HEADERS, END_HEADERS | END_STREAM, stream, literal("grpc-status", "0"))
+            + frame(RST_STREAM, 0, stream, no_error)
+        )
+        stream, _, _ = link.request()
+        trailers_only = (
+            literal(":status", "200")
+            + literal("content-type", "application/grpc")
+            + literal("grpc-status", "4")
+            + literal("grpc-message", "Deadline Exceeded")
+        )
+        link.sock.sendall(
+            frame(HEADERS, END_HEADERS | END_STREAM, stream, trailers_only)
+            + frame(RST_STREAM, 0, stream, no_error)
+        )
+        stream, _, _ = link.request()
+        link.sock.sendall(frame(RST_STREAM, 0, stream, no_error))  # no response at all
+        _linger(link)
+
+    with _peer(script) as peer, _channel(peer.port) as channel:
+        echo = _echo(channel)
+        assert echo(b"whole", timeout=TIMEOUT) == b"whole"
+        with pytest.raises(H2RpcError) as late:
+            echo(b"late", timeout=TIMEOUT)
+        assert late.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        with pytest.raises(H2RpcError) as reset:
+            echo(b"reset", timeout=TIMEOUT)
+        assert reset.value.code() is grpc.StatusCode.INTERNAL
+        assert "reset by the server" in reset.value.details()
+    assert len(peer.links) == 1

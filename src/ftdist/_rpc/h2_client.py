@@ -389,6 +389,13 @@ class H2Channel:
             if call is not None and call.left:
                 self._data_frames(conn, call, out)
         elif kind == h2.RST_STREAM and mine:
+            assert call is not None
+            if call.done:
+                # After a whole response a server may reset the stream
+                # (NO_ERROR: "stop sending"; RFC 9113 8.1); gRPC's C core
+                # does when its deadline ends the call, in the same write as
+                # the trailers. The call's outcome is already in hand.
+                return
             code = _u32.unpack(payload)[0]
             if code == _REFUSED_STREAM:
                 raise _NotTaken
