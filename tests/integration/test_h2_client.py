@@ -356,8 +356,15 @@ class _Link:
                     return stream, blocks[stream], bodies[stream][5:]
 
     def reply(
-        self, stream: int, message: bytes, *, status: int = 0, message_text: str = ""
+        self,
+        stream: int,
+        message: bytes,
+        *,
+        status: int = 0,
+        message_text: str = "",
+        then: bytes = b"",
     ) -> None:
+        """Answer ``stream`` in one write, with ``then`` (more frames) in the same write."""
         head = literal(":status", "200") + literal("content-type", "application/grpc")
         body = b"\x00" + struct.pack(">I", len(message)) + message
         trailer = literal("grpc-status", str(status))
@@ -367,7 +374,19 @@ class _Link:
             frame(HEADERS, END_HEADERS, stream, head)
             + frame(DATA, 0, stream, body)
             + frame(HEADERS, END_HEADERS | END_STREAM, stream, trailer)
+            + then
         )
+
+
+def _trailers_only(status: int, message: str, *extra: tuple[str, str]) -> bytes:
+    """The header block of a response that is only its status."""
+    block = (
+        literal(":status", "200")
+        + literal("content-type", "application/grpc")
+        + literal("grpc-status", str(status))
+        + literal("grpc-message", message)
+    )
+    return block + b"".join(literal(name, value) for name, value in extra)
 
 
 class _Peer:
@@ -472,13 +491,7 @@ def test_a_refused_stream_is_sent_again_and_a_lost_call_is_not() -> None:
 def test_statuses_in_trailers_only_and_http_errors() -> None:
     def script(link: _Link) -> None:
         stream, _, _ = link.request()
-        trailers = (
-            literal(":status", "200")
-            + literal("content-type", "application/grpc")
-            + literal("grpc-status", "5")
-            + literal("grpc-message", "no%20such%25thing")
-            + literal("x-leader", "h:1")
-        )
+        trailers = _trailers_only(5, "no%20such%25thing", ("x-leader", "h:1"))
         link.sock.sendall(frame(HEADERS, END_HEADERS | END_STREAM, stream, trailers))
         stream, _, _ = link.request()
         link.sock.sendall(
@@ -565,21 +578,9 @@ def test_a_reset_after_the_whole_response_leaves_the_calls_outcome() -> None:
 
     def script(link: _Link) -> None:
         stream, _, message = link.request()
-        head = literal(":status", "200") + literal("content-type", "application/grpc")
-        body = b"\x00" + struct.pack(">I", len(message)) + message
-        link.sock.sendall(
-            frame(HEADERS, END_HEADERS, stream, head)
-            + frame(DATA, 0, stream, body)
-            + frame(HEADERS, END_HEADERS | END_STREAM, stream, literal("grpc-status", "0"))
-            + frame(RST_STREAM, 0, stream, no_error)
-        )
+        link.reply(stream, message, then=frame(RST_STREAM, 0, stream, no_error))
         stream, _, _ = link.request()
-        trailers_only = (
-            literal(":status", "200")
-            + literal("content-type", "application/grpc")
-            + literal("grpc-status", "4")
-            + literal("grpc-message", "Deadline Exceeded")
-        )
+        trailers_only = _trailers_only(4, "Deadline Exceeded")
         link.sock.sendall(
             frame(HEADERS, END_HEADERS | END_STREAM, stream, trailers_only)
             + frame(RST_STREAM, 0, stream, no_error)
