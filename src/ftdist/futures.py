@@ -232,7 +232,9 @@ class _TimeoutManager:
             self._thread_done.set()
 
     def _watchdog_interval_s(self) -> float:
-        interval = self._watchdog_interval  # set before the thread starts
+        # Set before the thread starts; None again only if a caller resets
+        # it while the thread still runs (a test's monkeypatch undone first).
+        interval = self._watchdog_interval
         return (interval or _DEFAULT_WATCHDOG).total_seconds()
 
     def _watchdog_loop(self, done: threading.Event) -> None:
