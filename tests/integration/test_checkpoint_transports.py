@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import logging
 import os
 import re
@@ -943,6 +944,52 @@ def test_pg_fresh_tensors_land_in_the_receive_reserve(gloo_pair: list[Any], room
         got = b.recv_checkpoint(0, "<n/a>", 3)
         sent.result(timeout=20)
     _check_reserved(reserve, got, mine, room)
+
+
+@pytest.mark.timeout(30)
+def test_pg_sender_posts_the_next_message_before_waiting_for_the_last(
+    gloo_pair: list[Any],
+) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    # Observed, not replaced: the sender's sends and waits on the real group.
+    events: list[tuple[str, int]] = []
+    send = gloo_pair[0].send
+
+    class Watched:
+        def __init__(self, work: Any, tag: int) -> None:
+            self.work, self.tag = work, tag
+
+        def wait(self, timeout: timedelta | None = None) -> Any:
+            result = self.work.wait(timeout)
+            events.append(("done", self.tag))
+            return result
+
+    def watched(tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        events.append(("post", tag))
+        return Watched(send(tensors, dst, tag), tag)
+
+    gloo_pair[0].send = watched
+    g = torch.Generator().manual_seed(9)
+    state = {f"layer{i}": torch.randn(1 << 18, generator=g) for i in range(6)}  # 1 MiB each
+    a = PGTransport[State](gloo_pair[0], TIMEOUT)
+    b = PGTransport[State](gloo_pair[1], TIMEOUT)
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        sent = executor.submit(a.send_checkpoint, [1], 2, state, TIMEOUT)
+        got = b.recv_checkpoint(0, "<n/a>", 2)
+        sent.result(timeout=20)
+    _assert_same(state, got)
+    tensor_tags = [tag for kind, tag in events if kind == "post" and tag >= 16]
+    assert len(tensor_tags) == 6, events
+    # Every tensor message but the last is followed by the next one's post
+    # before its own completion is awaited, and never more than two are out.
+    for first, second in itertools.pairwise(tensor_tags):
+        assert events.index(("post", second)) < events.index(("done", first)), events
+    outstanding = 0
+    for kind, _ in events:
+        outstanding += 1 if kind == "post" else -1
+        assert outstanding <= 2, events
+    assert outstanding == 0, events
 
 
 @pytest.mark.timeout(60)

@@ -44,6 +44,11 @@ T = TypeVar("T")
 _TAG_PREFIX, _TAG_HEADER, _TAG_TRAILER, _TAG_TENSOR = 1, 2, 3, 16
 # Receives posted ahead of the one being summed.
 _IN_FLIGHT = 3
+# Sends posted at once: the next message is queued while the last one still
+# leaves, so Gloo's loop thread never waits for the sender's thread to post
+# (one at a time, 1.53-1.70 GB/s in place on the development machine; two,
+# 1.85-2.05). Each pending send keeps its tensor alive until it completes.
+_SENDS_IN_FLIGHT = 2
 # Room for any batch (see _wire.runs).
 _STAGING_BYTES = _wire.BATCH_BYTES + _wire.SMALL_TENSOR_BYTES
 
@@ -158,6 +163,7 @@ class PGTransport(CheckpointTransport[T]):
                 flats = [_wire.flat_bytes(t) for t in stream.tensors]
                 runs = _wire.runs([flat.numel() for flat in flats])
             pos = 0
+            sending: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
             for length in runs:
                 run = flats[pos : pos + length]
                 tag = _TAG_TENSOR + pos
@@ -170,6 +176,7 @@ class PGTransport(CheckpointTransport[T]):
                 else:
                     wire = torch.cat([flat.to(self._device) for flat in run])
                 work = self._pg.send([wire], dst, tag)
+                sending.append((work, wire))
                 if trailer is None:
                     # Sum a host copy if there is one: a device tensor would
                     # be copied to the host again for it.
@@ -178,7 +185,10 @@ class PGTransport(CheckpointTransport[T]):
                     else:
                         _sum_run(digest, wire, lengths)
                     total += sum(lengths)
-                self._wait(work, timeout, what)
+                while len(sending) >= _SENDS_IN_FLIGHT:
+                    self._wait(sending.popleft()[0], timeout, what)
+            while sending:
+                self._wait(sending.popleft()[0], timeout, what)
             if trailer is None:
                 trailer = _on(self._device, _wire.trailer_bytes(total, digest))
             self._wait(self._pg.send([trailer], dst, _TAG_TRAILER), timeout, what)
