@@ -946,11 +946,18 @@ def test_pg_fresh_tensors_land_in_the_receive_reserve(gloo_pair: list[Any], room
     _check_reserved(reserve, got, mine, room)
 
 
+def _six_tensors() -> State:
+    g = torch.Generator().manual_seed(9)
+    return {f"layer{i}": torch.randn(1 << 18, generator=g) for i in range(6)}  # 1 MiB each
+
+
 @pytest.mark.timeout(30)
 def test_pg_sender_posts_the_next_message_before_waiting_for_the_last(
-    gloo_pair: list[Any],
+    gloo_pair: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from concurrent.futures import ThreadPoolExecutor
+
+    from ftdist.checkpointing.pg_transport import _SENDS_IN_FLIGHT
 
     # Observed, not replaced: the sender's sends and waits on the real group.
     events: list[tuple[str, int]] = []
@@ -969,27 +976,55 @@ def test_pg_sender_posts_the_next_message_before_waiting_for_the_last(
         events.append(("post", tag))
         return Watched(send(tensors, dst, tag), tag)
 
-    gloo_pair[0].send = watched
-    g = torch.Generator().manual_seed(9)
-    state = {f"layer{i}": torch.randn(1 << 18, generator=g) for i in range(6)}  # 1 MiB each
+    monkeypatch.setattr(gloo_pair[0], "send", watched)
+    state = _six_tensors()
     a = PGTransport[State](gloo_pair[0], TIMEOUT)
     b = PGTransport[State](gloo_pair[1], TIMEOUT)
     with ThreadPoolExecutor(max_workers=1) as executor:
         sent = executor.submit(a.send_checkpoint, [1], 2, state, TIMEOUT)
         got = b.recv_checkpoint(0, "<n/a>", 2)
-        sent.result(timeout=20)
+        sent.result()
     _assert_same(state, got)
     tensor_tags = [tag for kind, tag in events if kind == "post" and tag >= 16]
     assert len(tensor_tags) == 6, events
     # Every tensor message but the last is followed by the next one's post
-    # before its own completion is awaited, and never more than two are out.
+    # before its own completion is awaited, and never more are out at once.
     for first, second in itertools.pairwise(tensor_tags):
         assert events.index(("post", second)) < events.index(("done", first)), events
     outstanding = 0
     for kind, _ in events:
         outstanding += 1 if kind == "post" else -1
-        assert outstanding <= 2, events
+        assert outstanding <= _SENDS_IN_FLIGHT, events
     assert outstanding == 0, events
+
+
+@pytest.mark.timeout(30)
+def test_pg_sender_with_sends_posted_times_out_when_the_peer_stops_mid_state(
+    gloo_pair: list[Any],
+) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    a = PGTransport[State](gloo_pair[0], timedelta(milliseconds=300))
+    peer = gloo_pair[1]
+
+    def take_the_start_then_stop() -> None:
+        # The prefix, the header and the first tensor, by hand on the real
+        # group; then nothing, as a receiver that hangs half-way.
+        prefix = torch.empty(_wire.PREFIX_BYTES, dtype=torch.uint8)
+        peer.recv([prefix], 0, 1).wait()
+        header_len = _wire.parse_prefix(prefix.numpy().tobytes(), "test", _wire.FLAG_BATCHED)[0]
+        peer.recv([torch.empty(header_len, dtype=torch.uint8)], 0, 2).wait()
+        peer.recv([torch.empty(1 << 20, dtype=torch.uint8)], 0, 16).wait()
+
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        taken = executor.submit(take_the_start_then_stop)
+        with pytest.raises(RuntimeError, match=TIMEOUT_REGEX) as info:
+            a.send_checkpoint([1], 1, _six_tensors())
+        taken.result()
+    assert "checkpoint send to rank 1 timed out after 0.3 s" in str(info.value)
+    # The group was aborted: the next transfer refuses at once.
+    with pytest.raises(RuntimeError, match="reconfigure it first"):
+        a.send_checkpoint([1], 2, _six_tensors())
 
 
 @pytest.mark.timeout(60)
