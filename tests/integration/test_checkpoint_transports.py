@@ -1004,24 +1004,28 @@ def test_pg_sender_with_sends_posted_times_out_when_the_peer_stops_mid_state(
 ) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    a = PGTransport[State](gloo_pair[0], timedelta(milliseconds=300))
+    a = PGTransport[State](gloo_pair[0], timedelta(milliseconds=500))
     peer = gloo_pair[1]
 
     def take_the_start_then_stop() -> None:
         # The prefix, the header and the first tensor, by hand on the real
-        # group; then nothing, as a receiver that hangs half-way.
-        prefix = torch.empty(_wire.PREFIX_BYTES, dtype=torch.uint8)
-        peer.recv([prefix], 0, 1).wait()
-        header_len = _wire.parse_prefix(prefix.numpy().tobytes(), "test", _wire.FLAG_BATCHED)[0]
-        peer.recv([torch.empty(header_len, dtype=torch.uint8)], 0, 2).wait()
-        peer.recv([torch.empty(1 << 20, dtype=torch.uint8)], 0, 16).wait()
+        # group; then nothing, as a receiver that hangs half-way. On a loaded
+        # machine the sender may give up before this thread takes them all:
+        # its receives then fail on the group's own timeout, which is fine.
+        with contextlib.suppress(RuntimeError):
+            prefix = torch.empty(_wire.PREFIX_BYTES, dtype=torch.uint8)
+            peer.recv([prefix], 0, 1).wait()
+            flags = _wire.FLAG_BATCHED
+            header_len = _wire.parse_prefix(prefix.numpy().tobytes(), "test", flags)[0]
+            peer.recv([torch.empty(header_len, dtype=torch.uint8)], 0, 2).wait()
+            peer.recv([torch.empty(1 << 20, dtype=torch.uint8)], 0, 16).wait()
 
     with ThreadPoolExecutor(max_workers=1) as executor:
         taken = executor.submit(take_the_start_then_stop)
         with pytest.raises(RuntimeError, match=TIMEOUT_REGEX) as info:
             a.send_checkpoint([1], 1, _six_tensors())
         taken.result()
-    assert "checkpoint send to rank 1 timed out after 0.3 s" in str(info.value)
+    assert "checkpoint send to rank 1 timed out after 0.5 s" in str(info.value)
     # The group was aborted: the next transfer refuses at once.
     with pytest.raises(RuntimeError, match="reconfigure it first"):
         a.send_checkpoint([1], 2, _six_tensors())
