@@ -61,8 +61,8 @@ baseline, side by side with it.
     the ``state_dict=...`` rows receive in place into existing tensors
     instead. Raw TCP and Unix socket copies of the same bytes between the
     same two processes, into a buffer touched before (compared with the
-    in-place rows), and this machine's CRC-32 and fresh-memory speeds (the
-    fresh rows' bound), are shown for reference.
+    in-place rows), and this machine's CRC-32 and fresh-memory speeds (what
+    the fresh rows run near), are shown for reference.
 
 Nothing is asserted: the script prints, and ends with PASS/MISS per target.
 Run ``python bench/recovery.py`` (about 2.5 minutes on 2 cores) or ``--quick``
