@@ -35,6 +35,12 @@ same ftdist lighthouse took 1.84-1.92 s per round with every client in one
 process and 0.67-0.74 s with them in eight (torchft's 1.49-1.61 and
 1.25-1.28 s).
 
+**Server CPU.** Each line also shows the lighthouse process's CPU time per
+steady round (user + system, all its threads, read from ``/proc`` before and
+after the rounds; Linux only), and each cycle's ratio line and the summary
+compare them: on this shared machine the CPU a round costs moves far less
+from run to run than the latency does.
+
 Run it: ``python bench/lighthouse.py [--sizes 2,64,256,512,1024] [--rounds R]``.
 
 ``--token both`` runs every N twice, against a lighthouse without and with a
@@ -421,7 +427,7 @@ def main() -> int:
     print(f"client: {args.client}{spread if threaded else ''}; {_load()}")
     print(
         f"{'N':>5} {'server':>7} {'token':>5} {'first quorum':>13} {'p50 round':>10} "
-        f"{'p99 round':>10} {'rounds':>7}  {'mean':>9}"
+        f"{'p99 round':>10} {'rounds':>7}  {'mean':>9}  {'server CPU/round':>16}"
     )
     # "both" runs off, on, on, off: the machine drifts during a run (the
     # second of two runs is often the slower), and the order cancels that.
@@ -429,28 +435,42 @@ def main() -> int:
     choices: dict[str, list[str | None]] = {"off": [None], "on": [_BENCH_TOKEN], "both": both}
     modes = choices[args.token]
     ratios: dict[int, float] = {}
+    # The lighthouse process's CPU time per round (all its threads), ftdist's
+    # over torchft's: far steadier on this shared machine than the latency.
+    cpu_ratios: dict[int, float] = {}
     for n in (int(x) for x in args.sizes.split(",")):
         rounds = args.rounds or max(20, min(300, 6000 // n))
         if args.against == "torchft":
             torchft_cmd = _torchft_server_cmd()
             assert torchft_cmd is not None
             cycle_ratios = []
+            cycle_cpu_ratios: list[float] = []
             for _ in range(args.cycles):
                 p50s: dict[str, list[float]] = {"ftdist": [], "torchft": []}
+                cpus: dict[str, list[float]] = {"ftdist": [], "torchft": []}
                 for name in ("ftdist", "torchft", "torchft", "ftdist"):
                     cmd = args.server_cmd if name == "ftdist" else torchft_cmd
-                    steady, line = _measure(args, cmd, name, n, rounds, None, send=False)
+                    steady, line, cpu = _measure(args, cmd, name, n, rounds, None, send=False)
                     p50s[name].append(_percentile(steady, 0.5))
+                    if cpu is not None:
+                        cpus[name].append(cpu)
                     print(line, flush=True)
                 ratio = statistics.fmean(p50s["ftdist"]) / statistics.fmean(p50s["torchft"])
                 cycle_ratios.append(ratio)
+                cpu_note = ""
+                if len(cpus["ftdist"]) == 2 and len(cpus["torchft"]) == 2:
+                    cpu_ratio = statistics.fmean(cpus["ftdist"]) / statistics.fmean(cpus["torchft"])
+                    cycle_cpu_ratios.append(cpu_ratio)
+                    cpu_note = f"; server CPU per round {cpu_ratio:.2f}x"
                 print(
                     f"{n:>5} ratio: ftdist / torchft mean steady p50 = {ratio:.2f}x "
                     f"({statistics.fmean(p50s['ftdist']) * 1e3:.2f} / "
-                    f"{statistics.fmean(p50s['torchft']) * 1e3:.2f} ms)",
+                    f"{statistics.fmean(p50s['torchft']) * 1e3:.2f} ms){cpu_note}",
                     flush=True,
                 )
             ratios[n] = statistics.median(cycle_ratios)
+            if cycle_cpu_ratios:
+                cpu_ratios[n] = statistics.median(cycle_cpu_ratios)
             if args.cycles > 1:
                 shown = " ".join(f"{r:.2f}x" for r in cycle_ratios)
                 print(f"{n:>5} median of {args.cycles} cycles: {ratios[n]:.2f}x ({shown})")
@@ -458,7 +478,7 @@ def main() -> int:
         token_p50s: dict[bool, list[float]] = {False: [], True: []}
         for token in modes:
             send = args.token == "both" or token
-            steady, line = _measure(args, args.server_cmd, "ftdist", n, rounds, token, send)
+            steady, line, _ = _measure(args, args.server_cmd, "ftdist", n, rounds, token, send)
             token_p50s[token is not None].append(_percentile(steady, 0.5))
             print(line, flush=True)
         if args.token == "both":
@@ -469,6 +489,11 @@ def main() -> int:
         cycles = f", median of {args.cycles} cycles" if args.cycles > 1 else ""
         print(f"\nsummary (ftdist / torchft steady p50, same run, {same}{cycles}):")
         print("  " + "  ".join(f"N={n}: {r:.2f}x" for n, r in ratios.items()))
+        if cpu_ratios:
+            print(
+                "  the lighthouse's CPU time per round (all threads), ftdist / torchft: "
+                + "  ".join(f"N={n}: {r:.2f}x" for n, r in cpu_ratios.items())
+            )
         worst = max(ratios.values())
         print(
             f"  {'PASS' if worst <= 1.0 else 'MISS'}  at most 1.0x at every N: worst {worst:.2f}x"
@@ -499,7 +524,9 @@ def _measure(
     rounds: int,
     token: str | None,
     send: object,
-) -> tuple[list[float], str]:
+) -> tuple[list[float], str, float | None]:
+    """One server's run: steady round times, the table line, and the server
+    process's CPU seconds per round (None where /proc cannot tell)."""
     port = _free_port()
     cmd = shlex.split(server_cmd.format(port=port, n=n))
     env = {k: v for k, v in os.environ.items() if not k.startswith("FTDIST_JOB_TOKEN")}
@@ -519,7 +546,9 @@ def _measure(
         else:
             sent = _BENCH_TOKEN if send else None
             run = lambda: asyncio.run(_run_size(address, n, rounds, args.timeout, sent))  # noqa: E731
+        cpu_before = _cpu_seconds(proc.pid)
         first, steady = run()
+        cpu_after = _cpu_seconds(proc.pid)
     finally:
         proc.terminate()
         try:
@@ -532,7 +561,28 @@ def _measure(
         f"{_percentile(steady, 0.5) * 1e3:>7.2f} ms {_percentile(steady, 0.99) * 1e3:>7.2f} ms "
         f"{len(steady):>7}  {statistics.fmean(steady) * 1e3:>6.2f} ms"
     )
-    return steady, line
+    cpu = None
+    if cpu_before is not None and cpu_after is not None:
+        cpu = (cpu_after - cpu_before) / (len(steady) + 1)
+        line += f"  {cpu * 1e6:>13.0f} us"
+    return steady, line, cpu
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of process ``pid`` and all its threads (None off Linux).
+
+    The server command's own process: a wrapper (a shell, ``strace``) that
+    runs the lighthouse as its child reports only itself.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name may hold spaces and parentheses: fields follow the last ')'.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    utime, stime = int(fields[11]), int(fields[12])
+    return (utime + stime) / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":
