@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import socket
 import threading
 import time
 import urllib.request
@@ -85,6 +86,28 @@ def wait_for_heartbeats(lighthouse: str, count: int, timeout: float = 60.0) -> b
     return wait_for_status(
         lighthouse, lambda s: int(s.get("num_heartbeating", 0)) >= count, timeout
     )
+
+
+def hold_port(port: int = 0) -> socket.socket:
+    """A TCP socket bound on 127.0.0.1 at ``port`` (0: any free one) that never
+    listens: connections there are refused, and while it is open no server of
+    a test running beside this one can be given the port. For tests that need
+    an address to stay dead, such as a stopped server's (one test's client
+    once "reached" a stopped server's port that another test had been given).
+    The caller closes it.
+
+    Raises:
+        OSError: ``port`` is taken.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        # A stopped server's closed connections may linger in TIME_WAIT on the port.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 class Lighthouses:

@@ -23,6 +23,7 @@ from tests.integration.lighthouse_helpers import (
     Heartbeater,
     Lighthouses,
     get_json,
+    hold_port,
     member_ids,
     pool,
     quorum_round,
@@ -395,18 +396,18 @@ def test_reconnect_gives_up_after_connect_timeout(lh: Lighthouses) -> None:
     server = lh.server()
     client = lh.client(server, connect_timeout=0.5)
     server.shutdown()
-    with pytest.raises(CoordinationError):
-        client.heartbeat("a", timeout=1.0)
-    with pytest.raises(CoordinationError, match="failed to connect"):
-        client.heartbeat("a", timeout=5.0)
+    with hold_port(server.port):
+        with pytest.raises(CoordinationError):
+            client.heartbeat("a", timeout=1.0)
+        with pytest.raises(CoordinationError, match="failed to connect"):
+            client.heartbeat("a", timeout=5.0)
 
 
 def test_connect_fails_when_nothing_listens() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+    with hold_port() as sock:
         port = sock.getsockname()[1]
-    with pytest.raises(CoordinationError, match="failed to connect"):
-        LighthouseClient(f"http://127.0.0.1:{port}", timedelta(milliseconds=300))
+        with pytest.raises(CoordinationError, match="failed to connect"):
+            LighthouseClient(f"http://127.0.0.1:{port}", timedelta(milliseconds=300))
 
 
 def test_deadline_maps_to_timeout_error(lh: Lighthouses) -> None:

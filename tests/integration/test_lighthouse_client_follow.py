@@ -9,6 +9,7 @@ protocol of :mod:`ftdist._rpc.common`).
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from ftdist._rpc import common as _rpc
 from ftdist.errors import CoordinationError, CoordinationTimeoutError
 from ftdist.lighthouse.client import LighthouseClient
 from ftdist.manager.news import FailureNews
-from tests.integration.lighthouse_helpers import Lighthouses, member_ids, wait_until
+from tests.integration.lighthouse_helpers import Lighthouses, hold_port, member_ids, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -96,6 +97,24 @@ def followers() -> Iterator[list[Follower]]:
     finally:
         for follower in started:
             follower.stop()
+
+
+@pytest.fixture
+def held() -> Iterator[list[socket.socket]]:
+    """Ports held by :func:`_hold`, released after the test."""
+    socks: list[socket.socket] = []
+    try:
+        yield socks
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def _hold(held: list[socket.socket], port: int = 0) -> int:
+    """:func:`hold_port` until the test ends; the port."""
+    sock = hold_port(port)
+    held.append(sock)
+    return int(sock.getsockname()[1])
 
 
 @pytest.fixture
@@ -299,13 +318,14 @@ def test_timeout_holds_while_no_leader_is_named(
 
 
 def test_timeout_holds_when_every_replica_is_gone(
-    followers: list[Follower], clients: list[LighthouseClient]
+    followers: list[Follower], clients: list[LighthouseClient], held: list[socket.socket]
 ) -> None:
     first, second = _follower(followers), _follower(followers)
     patient = _client(clients, first.address(), second.address(), connect_timeout=30)
     hasty = _client(clients, first.address(), second.address(), connect_timeout=1.0)
-    first.stop()
-    second.stop()
+    for follower in (first, second):
+        follower.stop()
+        _hold(held, follower.port)  # stays dead: no other test's server takes it
     followers.clear()
     began = time.monotonic()
     with pytest.raises(CoordinationTimeoutError):
@@ -317,8 +337,9 @@ def test_timeout_holds_when_every_replica_is_gone(
         hasty.quorum("r1", timeout=30)
     assert time.monotonic() - began < 2.5
     began = time.monotonic()
+    dead = f"http://127.0.0.1:{_hold(held)},http://127.0.0.1:{_hold(held)}"
     with pytest.raises(CoordinationError, match="any lighthouse replica"):
-        LighthouseClient(f"{first.address()},{second.address()}", 0.5)
+        LighthouseClient(dead, 0.5)
     assert time.monotonic() - began < 1.5
 
 
