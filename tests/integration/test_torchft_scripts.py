@@ -25,7 +25,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 HERE = Path(__file__).resolve().parent / "torchft_scripts"
 REPO = HERE.parents[2]
-STEPS = 25
+# Enough steps after KILL_AT that the kill lands mid-run on a loaded machine.
+STEPS = 40
 KILL_AT = 6
 FINAL = re.compile(r"^replica group (\d+): step (\d+) sha256 ([0-9a-f]{64})$", re.MULTILINE)
 STEP = re.compile(r"^\[(\d+)\] loss = ", re.MULTILINE)
@@ -96,18 +97,31 @@ def test_a_torchft_script_runs_unchanged_but_the_import(
                         start_new_session=True,
                     )
                 )  # fmt: skip
-        # SIGKILL group 1's trainer once it committed a few steps.
+        # SIGKILL group 1's trainer once it committed a few steps. Its pid is
+        # found while it starts, not after: on a loaded machine the scan of
+        # every process's environment took long enough for the trainer to
+        # run its last steps and print its digest first, and torchrun then
+        # restarted it into a job whose other group had finished (a hang).
         deadline = time.monotonic() + 120
+        victims: list[int] = []
         while True:
+            if not victims:
+                found = _workers(tag, 1)
+                # Exactly one: a short-lived child of the starting trainer
+                # (a helper run through subprocess) carries its environment too.
+                victims = found if len(found) == 1 else []
             steps = [int(s) for s in STEP.findall(outs[1].read_text(errors="replace"))]
-            if steps and max(steps) >= KILL_AT:
+            if victims and steps and max(steps) >= KILL_AT:
                 break
             assert time.monotonic() < deadline, errs[1].read_text(errors="replace")[-3000:]
             assert procs[1].poll() is None, errs[1].read_text(errors="replace")[-3000:]
             time.sleep(0.05)
-        victims = _workers(tag, 1)
         assert len(victims) == 1, victims
         os.kill(victims[0], signal.SIGKILL)
+        assert not FINAL.search(outs[1].read_text(errors="replace")), (
+            "group 1's trainer finished all its steps before the kill landed: the test was "
+            "too slow to kill it mid-run"
+        )
 
         for proc in procs:
             proc.wait(timeout=max(1.0, deadline + 60 - time.monotonic()))
