@@ -8,8 +8,8 @@ protocol of :mod:`ftdist._rpc.common`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -97,24 +97,6 @@ def followers() -> Iterator[list[Follower]]:
     finally:
         for follower in started:
             follower.stop()
-
-
-@pytest.fixture
-def held() -> Iterator[list[socket.socket]]:
-    """Ports held by :func:`_hold`, released after the test."""
-    socks: list[socket.socket] = []
-    try:
-        yield socks
-    finally:
-        for sock in socks:
-            sock.close()
-
-
-def _hold(held: list[socket.socket], port: int = 0) -> int:
-    """:func:`hold_port` until the test ends; the port."""
-    sock = hold_port(port)
-    held.append(sock)
-    return int(sock.getsockname()[1])
 
 
 @pytest.fixture
@@ -318,29 +300,30 @@ def test_timeout_holds_while_no_leader_is_named(
 
 
 def test_timeout_holds_when_every_replica_is_gone(
-    followers: list[Follower], clients: list[LighthouseClient], held: list[socket.socket]
+    followers: list[Follower], clients: list[LighthouseClient]
 ) -> None:
     first, second = _follower(followers), _follower(followers)
     patient = _client(clients, first.address(), second.address(), connect_timeout=30)
     hasty = _client(clients, first.address(), second.address(), connect_timeout=1.0)
-    for follower in (first, second):
-        follower.stop()
-        _hold(held, follower.port)  # stays dead: no other test's server takes it
-    followers.clear()
-    began = time.monotonic()
-    with pytest.raises(CoordinationTimeoutError):
-        patient.quorum("r1", timeout=1.0)
-    assert time.monotonic() - began < 2.0
-    # connect_timeout shorter than the call's: the call gives up after it.
-    began = time.monotonic()
-    with pytest.raises(CoordinationError, match="no replica reachable"):
-        hasty.quorum("r1", timeout=30)
-    assert time.monotonic() - began < 2.5
-    began = time.monotonic()
-    dead = f"http://127.0.0.1:{_hold(held)},http://127.0.0.1:{_hold(held)}"
-    with pytest.raises(CoordinationError, match="any lighthouse replica"):
-        LighthouseClient(dead, 0.5)
-    assert time.monotonic() - began < 1.5
+    with contextlib.ExitStack() as held:
+        for follower in (first, second):
+            follower.stop()
+            held.enter_context(hold_port(follower.port))  # no other test's server takes it
+        followers.clear()
+        began = time.monotonic()
+        with pytest.raises(CoordinationTimeoutError):
+            patient.quorum("r1", timeout=1.0)
+        assert time.monotonic() - began < 2.0
+        # connect_timeout shorter than the call's: the call gives up after it.
+        began = time.monotonic()
+        with pytest.raises(CoordinationError, match="no replica reachable"):
+            hasty.quorum("r1", timeout=30)
+        assert time.monotonic() - began < 2.5
+        began = time.monotonic()
+        a, b = (held.enter_context(hold_port()).getsockname()[1] for _ in range(2))
+        with pytest.raises(CoordinationError, match="any lighthouse replica"):
+            LighthouseClient(f"http://127.0.0.1:{a},http://127.0.0.1:{b}", 0.5)
+        assert time.monotonic() - began < 1.5
 
 
 def test_stream_broken_by_a_failover_reopens_at_the_new_leader(
