@@ -697,7 +697,10 @@ def transport_rank(
                 _store_barrier(store, f"http_done/{key}")
         finally:
             tr.shutdown()
-            del mine
+            # Each row starts with only its own state in memory: the last
+            # row's in-place target (1 GiB) otherwise stayed through the rows
+            # after it, through its transport's receive target.
+            del tr, mine
 
     pg = ProcessGroupGloo(timeout=timeout)
     pg.configure(ctx.addr("pgtransport"), ctx.rank, 2)

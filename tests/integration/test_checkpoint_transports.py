@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import itertools
 import logging
@@ -14,6 +15,7 @@ import threading
 import time
 import urllib.error
 import uuid
+import weakref
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -146,6 +148,47 @@ def test_http_round_trip_is_exact(
         src.disallow_checkpoint()
     finally:
         dst.shutdown()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("num_chunks", [0, 2])
+def test_a_shut_down_transport_frees_itself_and_its_state_without_the_collector(
+    num_chunks: int,
+) -> None:
+    # The server's handler is a bound method of its transport: while that
+    # cycle stood, a transport shut down and dropped kept the state it served
+    # and received into (a model's, possibly on a GPU) until the cyclic
+    # collector happened to run.
+    state = _state()
+    mine = {"into": _state(seed=1)}  # the receiver's own state, received into
+    src = HTTPTransport[State](TIMEOUT, num_chunks=num_chunks, hostname="127.0.0.1")
+    dst = HTTPTransport[State](
+        TIMEOUT, num_chunks=num_chunks, hostname="127.0.0.1", state_dict=lambda: mine["into"]
+    )
+    collecting = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        src.send_checkpoint([1], step=3, state_dict=state, timeout=TIMEOUT)
+        got = dst.recv_checkpoint(0, src.metadata(), step=3, timeout=TIMEOUT)
+        _assert_same(state, got)
+        assert got["model"]["w"].data_ptr() == mine["into"]["model"]["w"].data_ptr()
+        del got
+        watched = {
+            "source": weakref.ref(src),
+            "receiver": weakref.ref(dst),
+            "served tensor": weakref.ref(state["model"]["w"]),
+            "received-into tensor": weakref.ref(mine["into"]["model"]["w"]),
+        }
+        src.shutdown()
+        dst.shutdown()
+        del src, dst, state
+        mine.clear()
+        alive = [name for name, ref in watched.items() if ref() is not None]
+        assert alive == [], f"still alive after shutdown without a collection: {alive}"
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def _many_small(seed: int) -> State:

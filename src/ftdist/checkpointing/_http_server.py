@@ -341,6 +341,10 @@ def _listen_locally(shared: _Shared) -> tuple[_LocalServer | None, str | None]:
         return None, None
 
 
+def _closed(req: Request, step: int, key: str) -> None:
+    req.reply(503, "the checkpoint server is shutting down")
+
+
 class CheckpointServer:
     """The HTTP server of one transport, each listener on a thread of its own.
 
@@ -402,6 +406,11 @@ class CheckpointServer:
             if server is not None:
                 server.shutdown()
                 server.server_close()
+        # The handler is the owner's bound method, and the owner holds this
+        # server: a cycle that kept the owner (and the model state it serves
+        # or receives into) alive after shutdown until the cyclic collector
+        # ran. A request accepted before the listeners closed gets a 503.
+        self._shared.answer = _closed
         with self._shared.lock:
             active = list(self._shared.active)
             threads = list(self._shared.threads)
