@@ -80,6 +80,15 @@ class _Timer:
         self.cancelled = False
 
 
+def _nothing() -> None:
+    return None
+
+
+# The heap is rebuilt once more than this many of its timers, and more than
+# half of them, are cancelled.
+_COMPACT_AT = 256
+
+
 class _TimerHandle:
     """Cancels one timer; it may be cancelled before the timer is attached.
 
@@ -137,6 +146,7 @@ class _TimeoutManager:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._heap: list[tuple[float, int, _Timer]] = []
+        self._cancelled = 0  # cancelled timers still in the heap
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
         self._watchdog_thread: threading.Thread | None = None
@@ -165,6 +175,20 @@ class _TimeoutManager:
         with self._cond:
             if not timer.cancelled:
                 timer.cancelled = True
+                # A cancelled timer stays in the heap until it reaches the
+                # top (its deadline, the Manager's timeout: a minute by
+                # default). Its callback reaches what the caller's future
+                # held (a reduced tensor, the Manager, its model); dropped
+                # here, none of that outlives the completion.
+                timer.callback = _nothing
+                self._cancelled += 1
+                if self._cancelled > _COMPACT_AT and 2 * self._cancelled > len(self._heap):
+                    # Most entries dead (a step's buckets, each completed
+                    # well before its timeout): rebuild instead of letting
+                    # thousands of shells wait for their deadlines.
+                    self._heap = [entry for entry in self._heap if not entry[2].cancelled]
+                    heapq.heapify(self._heap)
+                    self._cancelled = 0
                 self._cond.notify()
 
     def _start_locked(self) -> None:
@@ -193,6 +217,7 @@ class _TimeoutManager:
         while True:
             while self._heap and self._heap[0][2].cancelled:
                 heapq.heappop(self._heap)
+                self._cancelled = max(0, self._cancelled - 1)
             if self._stopping:
                 return None
             now = time.monotonic()
@@ -261,6 +286,7 @@ class _TimeoutManager:
             for _, _, timer in self._heap:
                 timer.cancelled = True
             self._heap.clear()
+            self._cancelled = 0
             self._stopping = True
             self._cond.notify_all()
             thread, watchdog = self._thread, self._watchdog_thread

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 
-from ftdist.launch.ranks import run_ranks
-from tests.integration.ft_training import train
+from ftdist.launch.ranks import RankContext, run_ranks
+from tests.integration.ft_training import batch, model_and_optim, replica_store, train
 from tests.integration.lighthouse_helpers import Lighthouses
 
 
@@ -93,3 +94,118 @@ def assert_consistent(results: list[dict[str, Any]], steps: int, complete: bool 
         covered = set().union(*(r["committed"] for r in results))
         assert covered == set(range(steps)), f"never committed: {set(range(steps)) - covered}"
     assert len({r["batches"] for r in results if r["group_rank"] == 0}) == 1
+
+
+def _load(model: Any, optim: Any, sd: dict[str, Any]) -> None:
+    model.load_state_dict(sd["model"])
+    optim.load_state_dict(sd["optim"])
+
+
+def _train_then_shut_down(
+    ctx: RankContext, lighthouse: str, transport: str
+) -> tuple[list[str], dict[str, Any]]:
+    """Train a few steps (one group heals the other at step 0) and shut down:
+    the heals' roles, and weak references to what the training code held
+    (returned with the cyclic collector off)."""
+    import gc
+    import weakref
+    from datetime import timedelta
+
+    from ftdist.checkpointing import PGTransport
+    from ftdist.ddp import DistributedDataParallel
+    from ftdist.manager import Manager
+    from ftdist.optim import OptimizerWrapper
+    from ftdist.process_group import ProcessGroupGloo
+
+    own_store, port = replica_store(ctx, ctx.rank, 0, 0)
+    model, optim = model_and_optim(seed=ctx.rank)
+    timeout = timedelta(seconds=10)
+    pg = ProcessGroupGloo(timeout=timeout)
+    manager = Manager(
+        pg=pg,
+        load_state_dict=lambda sd: _load(model, optim, sd),
+        state_dict=lambda: {"model": model.state_dict(), "optim": optim.state_dict()},
+        min_replica_size=2,
+        replica_id=f"replica{ctx.rank}",
+        lighthouse_addr=lighthouse,
+        rank=0,
+        world_size=1,
+        store_addr="127.0.0.1",
+        store_port=port,
+        hostname="127.0.0.1",
+        timeout=timeout,
+        connect_timeout=timeout,
+        checkpoint_transport=PGTransport(pg, timeout) if transport == "pg" else None,
+    )
+    try:
+        ddp = DistributedDataParallel(manager, model)
+        opt = OptimizerWrapper(manager, optim)
+        manager._logger.info("training")  # torchft's logger, cached on the Manager
+        while manager.current_step() < 3:
+            opt.zero_grad()
+            ddp(batch(manager.current_step(), ctx.rank, 0)).sum().backward()
+            opt.step()
+        harness = ctx.store()
+        harness.add("done", 1)
+        deadline = time.monotonic() + 30
+        while int(harness.add("done", 0)) < ctx.world_size and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        manager.shutdown()
+        pg.shutdown()
+        del own_store
+    # The steps' own garbage (autograd's and torch DDP's cycles among them,
+    # some reaching the Manager through its hooks) is young and goes in the
+    # collector's frequent young-generation passes; what the collector must
+    # not be needed for is the Manager itself, which lives long enough to be
+    # in the oldest generation, collected rarely.
+    gc.collect()
+    gc.disable()
+    return [t.role for t in manager.heal_timelines], {
+        "manager": weakref.ref(manager),
+        "weight": weakref.ref(next(model.parameters())),
+        "momentum": weakref.ref(next(iter(optim.state.values()))["exp_avg"]),
+    }
+
+
+def _train_then_drop(ctx: RankContext, lighthouse: str, transport: str) -> dict[str, Any]:
+    """What of the training is still alive once its function returned, with
+    the cyclic collector off."""
+    import gc
+
+    collecting = gc.isenabled()
+    try:
+        heals, watched = _train_then_shut_down(ctx, lighthouse, transport)
+        alive = [name for name, ref in watched.items() if ref() is not None]
+        import sys
+        import threading
+        import traceback
+
+        if alive:
+            frames = sys._current_frames()
+            for t in threading.enumerate():
+                alive.append(
+                    t.name + "\n" + "".join(traceback.format_stack(frames[t.ident])[-4:])
+                    if t.ident in frames
+                    else t.name
+                )
+            open(f"/tmp/probe/threads{ctx.rank}.txt", "w").write("\n".join(alive))
+    finally:
+        if collecting:
+            gc.enable()
+    return {"heals": heals, "alive": alive}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", ["http", "pg"])
+def test_a_shut_down_manager_frees_itself_and_the_model_without_the_collector(
+    lh: Lighthouses, transport: str
+) -> None:
+    # Callbacks the Manager hands its parts (the round, the failure news,
+    # torchft's logger) held it strongly: a cycle that kept a dropped Manager
+    # and the model its state functions reach (a GPU's memory) until the
+    # cyclic collector ran.
+    lighthouse = lh.server(min_replicas=2, join_timeout_ms=200).address()
+    results = run_ranks(_train_then_drop, 2, lighthouse, transport, timeout=80)
+    assert sorted(role for r in results for role in r["heals"]) == ["receive", "send"], results
+    assert [r["alive"] for r in results] == [[], []], results

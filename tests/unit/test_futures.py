@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from datetime import timedelta
 from unittest import mock
@@ -165,3 +166,47 @@ def test_the_watchdog_interval_is_read_when_the_timer_thread_starts(
         assert manager._watchdog_interval == timedelta(seconds=7)
     finally:
         manager.shutdown()
+
+
+def test_a_completed_future_lets_go_of_its_timeout_callback_at_once() -> None:
+    # The cancelled timer waits in the heap until its deadline: it used to
+    # hold the callback, and all it reached (a reduced tensor, the Manager),
+    # for the whole timeout after the future completed.
+    class Payload:
+        pass
+
+    payload = Payload()
+    watched = weakref.ref(payload)
+    got: list[object] = []
+    fut: Future[int] = Future()
+
+    def callback(value: int | None, error: BaseException | None, held: object = payload) -> None:
+        got.append((value, error))
+
+    futures.when_done(fut, LONG, callback)
+    del payload, callback
+    assert watched() is not None  # pending: the timer may still need it
+    fut.set_result(3)
+    assert got == [(3, None)]
+    assert watched() is None, "the cancelled timer still holds its callback"
+    assert all(entry[2].callback() is None for entry in _TIMEOUT_MANAGER._heap)
+
+
+def test_cancelled_timers_do_not_pile_up_until_their_deadlines() -> None:
+    # A step's buckets each arm a timer of the Manager's timeout and complete
+    # long before it: thousands would wait in the heap for a minute.
+    futs: list[Future[int]] = []
+    for _ in range(2000):
+        fut: Future[int] = Future()
+        futures.when_done(fut, LONG, lambda value, error: None)
+        futs.append(fut)
+    pending = Future()  # type: ignore[var-annotated]
+    fired: list[object] = []
+    futures.when_done(pending, SHORT, lambda value, error: fired.append(error))
+    for fut in futs:
+        fut.set_result(1)
+    assert len(_TIMEOUT_MANAGER._heap) <= 2 * futures._COMPACT_AT
+    deadline = time.monotonic() + 10
+    while not fired and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(fired) == 1 and isinstance(fired[0], TimeoutError)  # the live one still fires

@@ -120,3 +120,7 @@ class TorchftInternals:
     def _logger(self) -> ManagerLogger:
         """torchft's prefixed logger of this Manager."""
         return ManagerLogger(self, getattr(self, "_replica_id", "?"), self._group_rank)
+
+    def _prefix(self) -> str:
+        """What this rank's log lines start with: ``[replica_id/group_rank - step n]``."""
+        return self._logger.prefix()

@@ -63,13 +63,18 @@ class ManagerLogger:
 
     def __init__(self, manager: Any, replica_id: str, group_rank: int) -> None:
         self._logger = logging.getLogger("ftdist.manager")
-        self._manager = manager
+        # Weakly: the Manager caches this logger, and a strong reference back
+        # would keep a dropped Manager (and the model it reaches) alive until
+        # the cyclic collector ran.
+        self._manager = weakref.ref(manager)
         self._replica_id = replica_id
         self._group_rank = group_rank
 
     def prefix(self) -> str:
         """The prefix of every line."""
-        return f"[{self._replica_id}/{self._group_rank} - step {self._manager.current_step()}]"
+        manager = self._manager()
+        step = "?" if manager is None else manager.current_step()
+        return f"[{self._replica_id}/{self._group_rank} - step {step}]"
 
     def info(self, msg: str) -> None:
         """Log ``msg`` at INFO."""

@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from ftdist._weak import weakly
 from ftdist.checkpointing import CheckpointTransport, HTTPTransport
 from ftdist.collectives import check_allreduce, start_allreduce
 from ftdist.errors import (
@@ -207,7 +208,9 @@ class Manager(TorchftInternals, StateRegistration):
         from ftdist.manager.bootstrap import bootstrap
 
         try:
-            boot = bootstrap(config, replica_id, self._on_member_failed, client)
+            boot = bootstrap(
+                config, replica_id, weakly(self._on_member_failed, lambda: None), client
+            )
         except BaseException:
             transport.shutdown(wait=False)
             self._executor.shutdown(wait=False)
@@ -229,9 +232,9 @@ class Manager(TorchftInternals, StateRegistration):
             async_quorum=use_async_quorum,
             fixed_with_spares=self._world_size_mode == WorldSizeMode.FIXED_WITH_SPARES,
             min_replica_size=min_replica_size,
-            state_for_peers=self._manager_state_dict,
+            state_for_peers=weakly(self._manager_state_dict),
             user_state=self._user_state,
-            log_prefix=self._prefix,
+            log_prefix=weakly(self._prefix, lambda: "[gone]"),
             participation=self._participation,
         )
         rank, size = self._group_rank, config.group_world_size
@@ -579,9 +582,6 @@ class Manager(TorchftInternals, StateRegistration):
     def quorum_id(self) -> int:
         """The id of the quorum the process group is configured for (-1 before any)."""
         return self._membership.quorum_id
-
-    def _prefix(self) -> str:
-        return f"[{getattr(self, '_replica_id', '?')}/{self._group_rank} - step {self._step}]"
 
     def shutdown(self, wait: bool = True) -> None:
         """Leave the job: stop the server (group rank 0), the transport and threads.
