@@ -181,3 +181,58 @@ def _custom_ops(ctx: RankContext, port: int) -> None:
 @pytest.mark.timeout(240)
 def test_custom_ops_and_torch_compile() -> None:
     run_ranks(_custom_ops, 2, _free_port(), timeout=200)
+
+
+def _init_and_destroy_again(ctx: RankContext, cycles: int) -> list[Any]:
+    import gc
+    import os
+    import threading
+    import time
+
+    from ftdist.coordinator import (
+        get_tp_group,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+
+    after: list[Any] = []
+    for cycle in range(cycles):
+        # A new rendezvous each time, as a job that rebuilds its groups after a fault.
+        init_distributed_environment(
+            ctx.world_size,
+            ctx.rank,
+            ctx.addr(f"cycle{cycle}"),
+            ctx.rank,
+            "ftdist-gloo",
+            timedelta(seconds=30),
+        )
+        initialize_model_parallel(2, 1)
+        tp = get_tp_group()
+        assert tp.mq_broadcaster is not None  # the shared-memory queue is built and torn down
+        checks.eq(tp.all_reduce(torch.ones(4)), torch.full((4,), 2.0), "all_reduce")
+        assert tp.broadcast_object("x" if tp.rank_in_group == 0 else None, src=0) == "x"
+        del tp
+        _teardown()
+        gc.collect()
+        # A group's threads and sockets end within its teardown; the wait
+        # only gives the kernel a moment to drop what the peer closed last.
+        deadline = time.monotonic() + 5
+        while True:
+            seen = (len(os.listdir("/proc/self/fd")), sorted(t.name for t in threading.enumerate()))
+            if not after or seen == after[0] or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        after.append(seen)
+    return after
+
+
+@pytest.mark.timeout(120)
+def test_building_and_destroying_groups_again_leaks_no_socket_or_thread() -> None:
+    # vLLM's own groups leak sockets and memory on teardown (vllm#38231), which
+    # is why rebuilding them means restarting the process; here each rebuild
+    # must leave the process as the first one left it.
+    results = run_ranks(_init_and_destroy_again, 2, 5, timeout=100)
+    for rank, after in enumerate(results):
+        assert all(seen == after[0] for seen in after[1:]), (
+            f"rank {rank}: open descriptors and threads after each of 5 cycles: {after}"
+        )
