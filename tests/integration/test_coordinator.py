@@ -212,27 +212,40 @@ def _init_and_destroy_again(ctx: RankContext, cycles: int) -> list[Any]:
         checks.eq(tp.all_reduce(torch.ones(4)), torch.full((4,), 2.0), "all_reduce")
         assert tp.broadcast_object("x" if tp.rank_in_group == 0 else None, src=0) == "x"
         del tp
+        live = _shared_mappings()
         _teardown()
         gc.collect()
-        # A group's threads and sockets end within its teardown; the wait
-        # only gives the kernel a moment to drop what the peer closed last.
+        # Old Gloo backends are destroyed on a short-lived sweep thread (their
+        # destructor may not run on a configuring thread: wrapper.py), and the
+        # kernel drops what the peer closed last a moment later: wait for both.
         deadline = time.monotonic() + 5
         while True:
-            seen = (len(os.listdir("/proc/self/fd")), sorted(t.name for t in threading.enumerate()))
-            if not after or seen == after[0] or time.monotonic() > deadline:
+            threads = sorted(t.name for t in threading.enumerate())
+            seen = (len(os.listdir("/proc/self/fd")), _shared_mappings(), threads)
+            settled = "ftdist-pg-sweep" not in threads and (not after or seen == after[0])
+            if settled or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
+        # The queue's segment was mapped while the group lived (else the
+        # count checks nothing).
+        assert live > seen[1], f"no shared memory mapped while the group lived ({live})"
         after.append(seen)
     return after
 
 
+def _shared_mappings() -> int:
+    with open("/proc/self/maps") as maps:
+        return sum("/dev/shm/" in line for line in maps)
+
+
 @pytest.mark.timeout(120)
-def test_building_and_destroying_groups_again_leaks_no_socket_or_thread() -> None:
+def test_building_and_destroying_groups_again_leaks_no_socket_mapping_or_thread() -> None:
     # vLLM's own groups leak sockets and memory on teardown (vllm#38231), which
     # is why rebuilding them means restarting the process; here each rebuild
     # must leave the process as the first one left it.
     results = run_ranks(_init_and_destroy_again, 2, 5, timeout=100)
     for rank, after in enumerate(results):
         assert all(seen == after[0] for seen in after[1:]), (
-            f"rank {rank}: open descriptors and threads after each of 5 cycles: {after}"
+            f"rank {rank}: (open descriptors, shared-memory mappings, threads) after each "
+            f"of 5 cycles: {after}"
         )
