@@ -123,4 +123,7 @@ class TorchftInternals:
 
     def _prefix(self) -> str:
         """What this rank's log lines start with: ``[replica_id/group_rank - step n]``."""
-        return self._logger.prefix()
+        # Not through the cached _logger: that froze the replica id it saw
+        # first, and failure news may arrive before the id is known.
+        replica_id = getattr(self, "_replica_id", "?")
+        return f"[{replica_id}/{self._group_rank} - step {getattr(self, '_step', 0)}]"
