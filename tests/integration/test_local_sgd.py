@@ -243,3 +243,66 @@ def test_localsgd_group_killed_and_restarted_ends_with_the_same_weights(
     assert finals[0]["model"] == finals[1]["model"]
     restart = next(lin for lin in read_lineages(str(out), cfg) if lin.attempt == 1)
     assert restart.records[0].healed and restart.records[0].step > 0
+
+
+def _train_and_drop(ctx: RankContext, lighthouse: str, kind: str) -> list[str]:
+    """Train with LocalSGD or DiLoCo, shut down, drop: what a collection leaves alive."""
+    import gc
+    import weakref
+
+    from ftdist.local_sgd import DiLoCo, LocalSGD
+    from ftdist.manager import Manager
+    from ftdist.process_group import ProcessGroupGloo
+
+    def run() -> dict[str, weakref.ref[Any]]:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        model = torch.nn.Linear(8, 8)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        pg = ProcessGroupGloo(timeout=timedelta(seconds=10))
+        manager = Manager(
+            pg,
+            None,
+            None,
+            min_replica_size=1,
+            use_async_quorum=False,
+            replica_id=f"{kind}{ctx.rank}",
+            lighthouse_addr=lighthouse,
+            rank=0,
+            world_size=1,
+            store_addr="127.0.0.1",
+            store_port=store.port,
+            hostname="127.0.0.1",
+            timeout=timedelta(seconds=10),
+        )
+        try:
+            if kind == "localsgd":
+                wrapper: Any = LocalSGD(manager, model, inner, sync_every=2)
+            else:
+                outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9)
+                wrapper = DiLoCo(manager, [model], inner, outer, sync_every=2)
+            with wrapper:
+                for _ in range(4):
+                    inner.zero_grad()
+                    model(torch.randn(4, 8)).sum().backward()
+                    inner.step()
+            assert manager.current_step() == 2
+        finally:
+            manager.shutdown()
+            pg.shutdown()
+        return {"manager": weakref.ref(manager), "weight": weakref.ref(model.weight)}
+
+    watched = run()
+    gc.collect()
+    return [name for name, ref in watched.items() if ref() is not None]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("kind", ["localsgd", "diloco"])
+def test_a_dropped_manager_and_model_are_freed_after_local_sgd(lh: Lighthouses, kind: str) -> None:
+    # The state LocalSGD and DiLoCo register with the Manager was kept in a
+    # module-level map keyed weakly by the Manager, whose entries reached
+    # their own key: the Manager and the model stayed for the life of the
+    # process, whatever the collector did.
+    lighthouse = lh.server(min_replicas=1).address()
+    (alive,) = run_ranks(_train_and_drop, 1, lighthouse, kind, timeout=80)
+    assert alive == [], f"still alive after shutdown and a collection: {alive}"

@@ -93,7 +93,25 @@ class _Slot:
         self.check: Callable[[], Any] = dict
 
 
+# A Manager's slots live on the Manager itself. They once lived in a module-level
+# WeakKeyDictionary keyed by the Manager, but a slot reaches the Manager
+# (its functions are the owner's bound methods, and the owner holds the
+# Manager), so the entry kept its own key alive: the Manager and the model
+# were never freed, not even by the cyclic collector. Objects without a
+# __dict__ (no attributes can be set) still go in the dictionary.
+_SLOTS_ATTR = "_ftdist_state_slots"
 _SLOTS: weakref.WeakKeyDictionary[Any, dict[str, _Slot]] = weakref.WeakKeyDictionary()
+
+
+def _slots_of(manager: Any) -> dict[str, _Slot]:
+    slots = getattr(manager, "__dict__", {}).get(_SLOTS_ATTR)
+    if slots is None:
+        try:
+            slots = {}
+            setattr(manager, _SLOTS_ATTR, slots)
+        except AttributeError:
+            slots = _slots_of(manager)
+    return slots
 
 
 def bind_state(
@@ -112,7 +130,7 @@ def bind_state(
     Raises:
         TypeError: the Manager rejects the functions.
     """
-    slots = _SLOTS.setdefault(manager, {})
+    slots = _slots_of(manager)
     slot = slots.get(key)
     fresh = slot is None
     if slot is None:
