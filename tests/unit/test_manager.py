@@ -694,3 +694,25 @@ def test_a_reserve_that_cannot_be_had_does_not_fail_the_round(
     client.push_quorum(_heal_quorum(5))
     manager.start_quorum()
     assert transport.reserves == [None] and manager.current_step() == 5
+
+
+def test_torchfts_logger_prefixes_the_step_without_keeping_its_manager_alive() -> None:
+    import types
+    import weakref
+
+    from ftdist.manager.lazy_work import ManagerLogger
+
+    class Stepper:
+        def current_step(self) -> int:
+            return 3
+
+    manager = Stepper()
+    logger = ManagerLogger(manager, "replica", 1)
+    assert logger.prefix() == "[replica/1 - step 3]"
+    watched = weakref.ref(manager)
+    del manager
+    assert watched() is None  # the logger does not hold it
+    assert logger.prefix() == "[replica/1 - step ?]"
+    # A stand-in without weak references is held as it is.
+    stand_in = types.SimpleNamespace(current_step=lambda: 7)
+    assert ManagerLogger(stand_in, "r", 0).prefix() == "[r/0 - step 7]"

@@ -65,8 +65,12 @@ class ManagerLogger:
         self._logger = logging.getLogger("ftdist.manager")
         # Weakly: the Manager caches this logger, and a strong reference back
         # would keep a dropped Manager (and the model it reaches) alive until
-        # the cyclic collector ran.
-        self._manager = weakref.ref(manager)
+        # the cyclic collector ran. (An object without weak references, a
+        # stand-in of a test, is held as it is.)
+        try:
+            self._manager: Callable[[], Any] = weakref.ref(manager)
+        except TypeError:
+            self._manager = lambda: manager
         self._replica_id = replica_id
         self._group_rank = group_rank
 
