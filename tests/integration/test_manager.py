@@ -177,19 +177,6 @@ def _train_then_drop(ctx: RankContext, lighthouse: str, transport: str) -> dict[
     try:
         heals, watched = _train_then_shut_down(ctx, lighthouse, transport)
         alive = [name for name, ref in watched.items() if ref() is not None]
-        import sys
-        import threading
-        import traceback
-
-        if alive:
-            frames = sys._current_frames()
-            for t in threading.enumerate():
-                alive.append(
-                    t.name + "\n" + "".join(traceback.format_stack(frames[t.ident])[-4:])
-                    if t.ident in frames
-                    else t.name
-                )
-            open(f"/tmp/probe/threads{ctx.rank}.txt", "w").write("\n".join(alive))
     finally:
         if collecting:
             gc.enable()

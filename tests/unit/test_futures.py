@@ -189,7 +189,7 @@ def test_a_completed_future_lets_go_of_its_timeout_callback_at_once() -> None:
     fut.set_result(3)
     assert got == [(3, None)]
     assert watched() is None, "the cancelled timer still holds its callback"
-    assert all(entry[2].callback() is None for entry in _TIMEOUT_MANAGER._heap)
+    assert all(entry[2].callback is futures._nothing for entry in _TIMEOUT_MANAGER._heap)
 
 
 def test_cancelled_timers_do_not_pile_up_until_their_deadlines() -> None:

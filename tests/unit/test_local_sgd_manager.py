@@ -181,3 +181,33 @@ def test_local_sgd_registers_its_digest_as_the_consistency_part() -> None:
         assert digest == fingerprint({n: p.data for n, p in net.named_parameters()})
     finally:
         manager.shutdown()
+
+
+class _SlottedManager:
+    """A manager stand-in without a ``__dict__`` (its slots cannot live on
+    it) that records what is registered with it."""
+
+    __slots__ = ("__weakref__", "registered", "save")
+
+    def __init__(self) -> None:
+        self.registered: list[str] = []
+        self.save: Any = None
+
+    def register_state_dict_fn(self, key: str, load: Any, save: Any) -> None:
+        self.registered.append(key)
+        self.save = save
+
+
+class _PlainManager(_SlottedManager):
+    """The same with a ``__dict__``."""
+
+
+@pytest.mark.parametrize("cls", [_PlainManager, _SlottedManager])
+def test_bind_state_registers_once_and_rebinds_to_a_new_owner(cls: type[_SlottedManager]) -> None:
+    from ftdist.local_sgd.local_sgd import bind_state
+
+    manager = cls()
+    bind_state(manager, "k", lambda sd: None, lambda: "first", None)
+    bind_state(manager, "k", lambda sd: None, lambda: "second", None)
+    assert manager.registered == ["k"]  # the Manager takes each key once
+    assert manager.save() == "second"  # the registered function follows the new owner

@@ -104,13 +104,10 @@ _SLOTS: weakref.WeakKeyDictionary[Any, dict[str, _Slot]] = weakref.WeakKeyDictio
 
 
 def _slots_of(manager: Any) -> dict[str, _Slot]:
-    slots = getattr(manager, "__dict__", {}).get(_SLOTS_ATTR)
-    if slots is None:
-        try:
-            slots = {}
-            setattr(manager, _SLOTS_ATTR, slots)
-        except AttributeError:
-            slots = _slots_of(manager)
+    try:
+        slots: dict[str, _Slot] = vars(manager).setdefault(_SLOTS_ATTR, {})
+    except TypeError:  # no __dict__
+        slots = _SLOTS.setdefault(manager, {})
     return slots
 
 
