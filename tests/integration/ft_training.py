@@ -81,6 +81,36 @@ def replica_store(
     return None, int(harness.get(key))
 
 
+def one_rank_manager(
+    pg: Any,
+    lighthouse: str,
+    store_port: int,
+    replica_id: str,
+    load_state_dict: Any = None,
+    state_dict: Any = None,
+    **kwargs: Any,
+) -> Any:
+    """A Manager for a replica group of one rank on this host, whose store
+    listens at ``store_port``; ``kwargs`` add to or override the defaults
+    (``min_replica_size=1``, a 10 s timeout)."""
+    from ftdist.manager import Manager
+
+    settings: dict[str, Any] = {"min_replica_size": 1, "timeout": timedelta(seconds=10), **kwargs}
+    return Manager(
+        pg,
+        load_state_dict,
+        state_dict,
+        replica_id=replica_id,
+        lighthouse_addr=lighthouse,
+        rank=0,
+        world_size=1,
+        store_addr="127.0.0.1",
+        store_port=store_port,
+        hostname="127.0.0.1",
+        **settings,
+    )
+
+
 def train(
     ctx: RankContext,
     lighthouse: str,

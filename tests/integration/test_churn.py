@@ -139,9 +139,9 @@ def _manager_rebuilds(ctx: RankContext, rebuilds: int) -> dict[str, dict[str, in
 
     from ftdist.ddp import DistributedDataParallel
     from ftdist.lighthouse.server import LighthouseServer
-    from ftdist.manager import Manager
     from ftdist.optim import OptimizerWrapper
     from ftdist.process_group import ProcessGroupGloo
+    from tests.integration.ft_training import one_rank_manager
 
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -154,19 +154,13 @@ def _manager_rebuilds(ctx: RankContext, rebuilds: int) -> dict[str, dict[str, in
             model = torch.nn.Linear(64, 64)
             optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
             pg = ProcessGroupGloo(timeout=timedelta(seconds=10))
-            manager = Manager(
+            manager = one_rank_manager(
                 pg,
+                lighthouse.address(),
+                store.port,
+                "rebuilt",
                 model.load_state_dict,
                 model.state_dict,
-                min_replica_size=1,
-                replica_id="rebuilt",
-                lighthouse_addr=lighthouse.address(),
-                rank=0,
-                world_size=1,
-                store_addr="127.0.0.1",
-                store_port=store.port,
-                hostname="127.0.0.1",
-                timeout=timedelta(seconds=10),
             )
             try:
                 ddp = DistributedDataParallel(manager, model)

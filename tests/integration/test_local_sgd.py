@@ -251,28 +251,16 @@ def _train_and_drop(ctx: RankContext, lighthouse: str, kind: str) -> list[str]:
     import weakref
 
     from ftdist.local_sgd import DiLoCo, LocalSGD
-    from ftdist.manager import Manager
     from ftdist.process_group import ProcessGroupGloo
+    from tests.integration.ft_training import one_rank_manager
 
     def run() -> dict[str, weakref.ref[Any]]:
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         model = torch.nn.Linear(8, 8)
         inner = torch.optim.SGD(model.parameters(), lr=0.1)
         pg = ProcessGroupGloo(timeout=timedelta(seconds=10))
-        manager = Manager(
-            pg,
-            None,
-            None,
-            min_replica_size=1,
-            use_async_quorum=False,
-            replica_id=f"{kind}{ctx.rank}",
-            lighthouse_addr=lighthouse,
-            rank=0,
-            world_size=1,
-            store_addr="127.0.0.1",
-            store_port=store.port,
-            hostname="127.0.0.1",
-            timeout=timedelta(seconds=10),
+        manager = one_rank_manager(
+            pg, lighthouse, store.port, f"{kind}{ctx.rank}", use_async_quorum=False
         )
         try:
             if kind == "localsgd":

@@ -8,7 +8,13 @@ from typing import Any
 import pytest
 
 from ftdist.launch.ranks import RankContext, run_ranks
-from tests.integration.ft_training import batch, model_and_optim, replica_store, train
+from tests.integration.ft_training import (
+    batch,
+    model_and_optim,
+    one_rank_manager,
+    replica_store,
+    train,
+)
 from tests.integration.lighthouse_helpers import Lighthouses
 
 
@@ -113,7 +119,6 @@ def _train_then_shut_down(
 
     from ftdist.checkpointing import PGTransport
     from ftdist.ddp import DistributedDataParallel
-    from ftdist.manager import Manager
     from ftdist.optim import OptimizerWrapper
     from ftdist.process_group import ProcessGroupGloo
 
@@ -121,19 +126,14 @@ def _train_then_shut_down(
     model, optim = model_and_optim(seed=ctx.rank)
     timeout = timedelta(seconds=10)
     pg = ProcessGroupGloo(timeout=timeout)
-    manager = Manager(
-        pg=pg,
-        load_state_dict=lambda sd: _load(model, optim, sd),
-        state_dict=lambda: {"model": model.state_dict(), "optim": optim.state_dict()},
+    manager = one_rank_manager(
+        pg,
+        lighthouse,
+        port,
+        f"replica{ctx.rank}",
+        lambda sd: _load(model, optim, sd),
+        lambda: {"model": model.state_dict(), "optim": optim.state_dict()},
         min_replica_size=2,
-        replica_id=f"replica{ctx.rank}",
-        lighthouse_addr=lighthouse,
-        rank=0,
-        world_size=1,
-        store_addr="127.0.0.1",
-        store_port=port,
-        hostname="127.0.0.1",
-        timeout=timeout,
         connect_timeout=timeout,
         checkpoint_transport=PGTransport(pg, timeout) if transport == "pg" else None,
     )
