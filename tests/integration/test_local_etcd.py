@@ -78,6 +78,11 @@ def alive(pid: int) -> bool:
         return False
 
 
+def thread_state(pid: int, tid: str) -> str:
+    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def test_three_members_start_healthy_and_replicate(etcd_cluster: LocalEtcdCluster) -> None:  # noqa: F811
     endpoints = etcd_cluster.endpoints
     assert len(endpoints) == 3 and len(set(endpoints)) == 3
@@ -116,6 +121,13 @@ def test_stopped_member_is_unhealthy_until_continued(etcd_cluster: LocalEtcdClus
     cluster = etcd_cluster
     cluster.stop_member(2)
     assert cluster.is_running(2)  # stopped, not dead
+    # stop_member returns only once every thread has stopped: kill() alone
+    # leaves a thread that is on a CPU serving for a while (one in nine
+    # probes right after kill() found one still running).
+    pid = cluster.pids[2]
+    assert pid is not None
+    states = {t: thread_state(pid, t) for t in os.listdir(f"/proc/{pid}/task")}
+    assert set(states.values()) == {"T"}, states
     with pytest.raises(TimeoutError, match="m2"):
         cluster.wait_healthy(timedelta(seconds=1.5), members=[2])
 
