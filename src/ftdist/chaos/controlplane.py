@@ -26,6 +26,7 @@ import urllib.parse
 import uuid
 from typing import Any
 
+from ftdist._procfs import start_time
 from ftdist.chaos import schedule
 from ftdist.chaos.proxy import CutProxy
 
@@ -48,9 +49,7 @@ def unavailable() -> str | None:
 
 
 def _start_time(pid: int | None) -> tuple[int, str] | None:
-    from ftdist.chaos.supervisor import proc_start_time
-
-    return None if pid is None else (pid, proc_start_time(pid))
+    return None if pid is None else (pid, start_time(pid))
 
 
 class ControlPlane:

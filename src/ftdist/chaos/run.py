@@ -28,6 +28,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any, TextIO
 
+from ftdist._procfs import start_time, state
 from ftdist.chaos import schedule
 from ftdist.demo.run import clear_events, log_to, machine_facts
 
@@ -118,15 +119,9 @@ class ChaosConfig:
 
 
 def _alive(pid: int, started: str) -> bool:
-    from ftdist.chaos.supervisor import proc_start_time
-
-    if not started or proc_start_time(pid) != started:
+    if not started or start_time(pid) != started:
         return False
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return state(pid) not in ("", "Z")
 
 
 def find_leaks(

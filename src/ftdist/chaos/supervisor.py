@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ftdist._procfs import start_time as proc_start_time
 from ftdist.chaos import schedule
 from ftdist.chaos.faults import Faults
 from ftdist.chaos.lighthouse import RestartableLighthouse
@@ -116,15 +117,6 @@ class ChaosRecord:
     notes: list[str] = field(default_factory=list)
     # A control-plane process that could not be struck or brought back.
     control_errors: list[str] = field(default_factory=list)
-
-
-def proc_start_time(pid: int) -> str:
-    """The kernel's start time of ``pid`` ("" if gone): tells a pid from its reuse."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return ""
 
 
 class ChaosSupervisor:

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from ftdist._durations import MILLISECOND, as_timedelta
+from ftdist._procfs import await_stopped
 
 __all__ = ["ETCD_BIN_ENV", "MAX_MEMBERS", "LocalEtcdCluster", "find_etcd_binary"]
 
@@ -71,36 +72,6 @@ _TAIL_BYTES = 64 * 1024
 # Health probes go straight to 127.0.0.1: an http_proxy set for the outside
 # world must not see them.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def _thread_states(pid: int) -> list[str]:
-    """The state letter of each of ``pid``'s threads (empty where /proc cannot tell)."""
-    states = []
-    with contextlib.suppress(OSError):
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError, IndexError):
-                with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii") as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
-    return states
-
-
-def _await_stopped(pid: int, deadline: float) -> None:
-    """Wait until every thread of ``pid`` is stopped (state T).
-
-    kill() only marks SIGSTOP pending: one thread takes it when the scheduler
-    next runs it and then stops the others, so on a loaded machine a thread
-    already on a CPU serves requests for milliseconds after kill() returned.
-
-    Raises:
-        TimeoutError: some thread still ran at ``deadline``.
-    """
-    while True:
-        states = _thread_states(pid)
-        if all(state in "TtZX" for state in states):  # a dead thread answers nothing either
-            return
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"process {pid} did not stop after SIGSTOP: thread states {states}")
-        time.sleep(0.001)
 
 
 def _is_executable(path: str) -> bool:
@@ -395,7 +366,7 @@ class LocalEtcdCluster:
         """
         process = self._running_process(i)
         process.send_signal(signal.SIGSTOP)
-        _await_stopped(process.pid, time.monotonic() + _STOP_WAIT_S)
+        await_stopped(process.pid, time.monotonic() + _STOP_WAIT_S)
 
     def continue_member(self, i: int) -> None:
         """Unfreeze member ``i`` (SIGCONT).
