@@ -27,9 +27,16 @@ $(PY):
 # torch is installed first, pinned, so that pip never resolves `torch>=2.7`
 # (a dependency of ftdist) to the newest CUDA build on the package index:
 # `pip install torch==2.13.0` takes the CPU wheel this machine keeps on disk.
+# pip byte-compiles what it installs one file at a time (half of a fresh
+# setup's minute); compileall does it on every core instead. Where
+# PYTHONDONTWRITEBYTECODE is set, nothing compiled here would be compiled
+# later, so skipping it is no option. One file of torch's tests is Python 3.12
+# only and fails to compile, which pip ignores too.
 $(STAMP): $(PY) pyproject.toml
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e '.[dev]'
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --no-compile torch==2.13.0
+	$(PY) -m pip install --no-compile -e '.[dev]'
+	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
+		>/dev/null 2>&1 || true
 	touch $(STAMP)
 
 setup: $(STAMP)
