@@ -112,6 +112,38 @@ def test_dead_or_stopped_peer_raises_and_group_recovers(kind: str, sig: int) -> 
     assert value == 5.0
 
 
+def _send_to_the_dead(ctx: RankContext) -> list[str]:
+    pg = ProcessGroupGloo(timeout=10)
+    pg.configure(ctx.addr("dead"), ctx.rank, ctx.world_size)
+    t = torch.ones(4)
+    pg.allreduce([t]).wait()
+    if ctx.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    # Rank 0 touches the pair once Gloo's loop has seen it close: Gloo's send
+    # and recv then raise at once (a RuntimeError) instead of failing their work.
+    time.sleep(1.0)
+    out = []
+    for op in (pg.send, pg.recv):
+        try:
+            op([t], 1, 0).wait()
+            out.append("no error")
+        except CommunicationError as exc:
+            out.append(str(exc))
+    pg.shutdown()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_send_and_recv_to_a_peer_that_died_meanwhile_raise_communication_errors() -> None:
+    """Not Gloo's bare RuntimeError: a step's fault, which makes should_commit() vote no."""
+    with Ranks(_send_to_the_dead, 2) as ranks:
+        outcomes = ranks.join(timeout=40, only=[0])
+    survivor = outcomes[0]
+    assert survivor.ok, survivor.error
+    sent, received = survivor.value
+    assert "send failed" in sent and "recv failed" in received, survivor.value
+
+
 def _baby_child_dies(ctx: RankContext, how: str) -> tuple[str, bool, float]:
     pg = ProcessGroupBabyGloo(timeout=3 if how == "stop" else 60)
     pg.configure(ctx.addr("b0"), ctx.rank, ctx.world_size)

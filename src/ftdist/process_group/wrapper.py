@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup as BaseProcessGroup
 
 from ftdist._durations import as_timedelta
-from ftdist.errors import ProcessGroupAbortedError
+from ftdist.errors import CommunicationError, ProcessGroupAbortedError
 from ftdist.process_group._store import StoreClients
 from ftdist.process_group.base import BACKEND_NAME, Post, ProcessGroup
 from ftdist.process_group.work import WAIT_MARGIN, CompletedWork, FtWork, Generation, WorkList
@@ -365,15 +365,34 @@ class ProcessGroupWrapper(ProcessGroup):
         gen = self._gen
         assert gen is not None
         if gen.error is not None:
-            raise RuntimeError(f"{self._describe()} was aborted: call configure() to resume")
+            raise ProcessGroupAbortedError(
+                f"{self._describe()} was aborted: call configure() to resume"
+            )
         name = BACKEND_NAME.get(op, op)
         fn = getattr(pg, name, None)
         if fn is None:
             raise RuntimeError(f"{self.getBackendName()} does not support {op}")
-        work = fn(*args)
+        work = self._post(op, fn, args)
         if work is None:  # monitored_barrier blocks and returns nothing
             return CompletedWork(None)
         return self._wrap(work, gen, op, post)
+
+    def _post(self, op: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """Hand one op to the backend.
+
+        Raises:
+            CommunicationError: the backend refused it for a broken connection.
+        """
+        try:
+            return fn(*args)
+        except RuntimeError as exc:
+            # Gloo's send and recv raise at once, instead of failing their work,
+            # for a peer whose connection its loop already saw closed (a peer
+            # that died while this rank did something else). That is the
+            # fault the work would report; an argument Gloo refuses is not.
+            if "gloo/transport/" not in str(exc):
+                raise
+            raise CommunicationError(f"{self._describe()}: {op} failed: {exc}") from exc
 
     def _collective_many(
         self, op: str, calls: list[tuple[Any, ...]], post: Post = None
@@ -384,7 +403,7 @@ class ProcessGroupWrapper(ProcessGroup):
         gen = self._gen
         assert gen is not None
         fn = getattr(pg, BACKEND_NAME.get(op, op))
-        return self._wrap(WorkList([fn(*args) for args in calls]), gen, op, post)
+        return self._wrap(WorkList([self._post(op, fn, args) for args in calls]), gen, op, post)
 
     def _wrap(self, work: Any, gen: Generation, op: str, post: Post) -> dist.Work:
         return FtWork(work, gen, op, post)
