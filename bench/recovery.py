@@ -705,15 +705,22 @@ def transport_rank(
     pg = ProcessGroupGloo(timeout=timeout)
     pg.configure(ctx.addr("pgtransport"), ctx.rank, 2)
     try:
-        for label, in_place in (
-            ("PGTransport (ProcessGroupGloo)", False),
-            ("PGTransport, in place (state_dict=)", True),
+        # Through Gloo (direct reads off), and as a direct read of the
+        # sender's memory (the route between two processes on one host).
+        for label, in_place, direct in (
+            ("PGTransport (ProcessGroupGloo)", False, False),
+            ("PGTransport, in place (state_dict=)", True, False),
+            ("PGTransport, direct read", False, True),
+            ("PGTransport, in place (state_dict=), direct read", True, True),
         ):
             dest: dict[str, torch.Tensor] | None = None
             if in_place and not src:
                 dest = {f"layer{i}": torch.zeros(numel) for i in range(n_tensors)}
             tr_pg: PGTransport[Any] = PGTransport(
-                pg, timeout, state_dict=_returns(dest) if dest is not None else None
+                pg,
+                timeout,
+                state_dict=_returns(dest) if dest is not None else None,
+                direct_reads=direct,
             )
             rows = []
             for rep in range(reps):
@@ -724,6 +731,8 @@ def transport_rank(
                     got_sd = tr_pg.recv_checkpoint(0, "<n/a>", 7, timeout)
                     stats = tr_pg.last_transfer
                     assert stats is not None
+                    if stats.route != ("direct" if direct else "process group"):
+                        raise RuntimeError(f"{label}: the transfer went {stats.route}")
                     rows.append({"bytes": stats.nbytes, "s": stats.seconds})
                     check(got_sd)
                     del got_sd
@@ -1287,6 +1296,7 @@ def part_transport(args: argparse.Namespace, targets: Targets) -> None:
         (f"{in_place}, local socket", _RAW_LOCAL),
         (f"{in_place}, direct read", _RAW_LOCAL),
         ("PGTransport, in place (state_dict=)", _RAW),
+        ("PGTransport, in place (state_dict=), direct read", _RAW_LOCAL),
     ):
         raw = statistics.median(r["bytes"] / r["s"] / GB for r in res[ref])
         med = statistics.median(r["bytes"] / r["s"] / GB for r in res[label])
@@ -1294,6 +1304,7 @@ def part_transport(args: argparse.Namespace, targets: Targets) -> None:
     for label in (
         "HTTPTransport num_chunks=0, direct read",
         "HTTPTransport num_chunks=4, direct read",
+        "PGTransport, direct read",
     ):
         med = statistics.median(r["bytes"] / r["s"] / GB for r in res[label])
         print(

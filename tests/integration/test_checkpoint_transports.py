@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import io
 import itertools
@@ -753,18 +754,25 @@ def _pg_round_trip(ctx: RankContext, in_place: bool, wrong_step: bool) -> object
     pg.configure(ctx.addr("t"), ctx.rank, ctx.world_size)
     try:
         if ctx.rank == 0:
-            PGTransport[State](pg, TIMEOUT).send_checkpoint([1, 2], 4, _state(2))
-            return None
+            sender = PGTransport[State](pg, TIMEOUT)
+            sender.send_checkpoint([1, 2], 4, _state(2))
+            assert sender.last_transfer is not None
+            return sender.last_transfer.route
         mine = _state(3)
         original = mine["model"]["w"].data_ptr()
-        transport = PGTransport[State](pg, TIMEOUT, state_dict=(lambda: mine) if in_place else None)
+        # Rank 1 copies from the sender's memory (same host); rank 2 declines
+        # the offer and is sent the tensors through Gloo, in the same send.
+        transport = PGTransport[State](
+            pg, TIMEOUT, state_dict=(lambda: mine) if in_place else None, direct_reads=ctx.rank == 1
+        )
         try:
             got = transport.recv_checkpoint(0, "<n/a>", 5 if wrong_step else 4)
         except CheckpointError as exc:
             return str(exc)
         _assert_same(_state(2), got)
         _assert_sums_vouch_for(transport, got)
-        return got["model"]["w"].data_ptr() == original
+        assert transport.last_transfer is not None
+        return got["model"]["w"].data_ptr() == original, transport.last_transfer.route
     finally:
         pg.shutdown()
 
@@ -773,7 +781,8 @@ def _pg_round_trip(ctx: RankContext, in_place: bool, wrong_step: bool) -> object
 @pytest.mark.parametrize("in_place", [False, True])
 def test_pg_transport_round_trip(in_place: bool) -> None:
     results = run_ranks(_pg_round_trip, 3, in_place, False, timeout=50)
-    assert results[1] is in_place and results[2] is in_place
+    assert results[1:] == [(in_place, "direct"), (in_place, "process group")], results
+    assert results[0] == "direct+process group"
 
 
 @pytest.mark.timeout(60)
@@ -1021,7 +1030,8 @@ def test_pg_sender_posts_the_next_message_before_waiting_for_the_last(
 
     monkeypatch.setattr(gloo_pair[0], "send", watched)
     state = _six_tensors()
-    a = PGTransport[State](gloo_pair[0], TIMEOUT)
+    # The messages through Gloo: no direct read of the sender's memory.
+    a = PGTransport[State](gloo_pair[0], TIMEOUT, direct_reads=False)
     b = PGTransport[State](gloo_pair[1], TIMEOUT)
     with ThreadPoolExecutor(max_workers=1) as executor:
         sent = executor.submit(a.send_checkpoint, [1], 2, state, TIMEOUT)
@@ -1047,7 +1057,7 @@ def test_pg_sender_with_sends_posted_times_out_when_the_peer_stops_mid_state(
 ) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    a = PGTransport[State](gloo_pair[0], timedelta(milliseconds=500))
+    a = PGTransport[State](gloo_pair[0], timedelta(milliseconds=500), direct_reads=False)
     peer = gloo_pair[1]
 
     def take_the_start_then_stop() -> None:
@@ -1074,6 +1084,41 @@ def test_pg_sender_with_sends_posted_times_out_when_the_peer_stops_mid_state(
         a.send_checkpoint([1], 2, _six_tensors())
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("errno_", [errno.EPERM, errno.EFAULT], ids=["refused", "failed"])
+def test_pg_direct_read_refused_streams_and_failed_stops_both_ends_at_once(
+    gloo_pair: list[Any], monkeypatch: pytest.MonkeyPatch, errno_: int
+) -> None:
+    """Refused by the kernel (EPERM), the receiver is sent the tensors through
+    Gloo; a copy that fails (EFAULT) fails both ends at once: their 60 s
+    timeout is past the test's own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ftdist.checkpointing import _direct
+
+    real = _direct.read_memory
+
+    def read_memory(pid: int, local: int, remote: int, nbytes: int) -> None:
+        if errno_ == errno.EPERM or nbytes > 1:  # EFAULT: the 1-byte probe passes
+            raise OSError(errno_, os.strerror(errno_))
+        real(pid, local, remote, nbytes)
+
+    monkeypatch.setattr(_direct, "read_memory", read_memory)
+    a, b = (PGTransport[State](pg, timedelta(seconds=60)) for pg in gloo_pair)
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        sent = executor.submit(a.send_checkpoint, [1], 3, _six_tensors())
+        if errno_ == errno.EPERM:
+            _assert_same(_six_tensors(), b.recv_checkpoint(0, "<n/a>", 3))
+            sent.result(timeout=20)
+            assert a.last_transfer is not None and b.last_transfer is not None
+            assert a.last_transfer.route == b.last_transfer.route == "process group"
+            return
+        with pytest.raises(CheckpointError, match="failed after 0 bytes of a tensor"):
+            b.recv_checkpoint(0, "<n/a>", 3)
+        with pytest.raises(CheckpointError, match="rank 1 failed to copy the checkpoint"):
+            sent.result(timeout=20)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("in_place", [False, True])
 def test_pg_small_tensors_travel_in_batches_over_gloo(gloo_pair: list[Any], in_place: bool) -> None:
@@ -1089,7 +1134,7 @@ def test_pg_small_tensors_travel_in_batches_over_gloo(gloo_pair: list[Any], in_p
 
     gloo_pair[1].recv = counted
     state, own = _many_small(1), _many_small(2)
-    a = PGTransport[State](gloo_pair[0], TIMEOUT)
+    a = PGTransport[State](gloo_pair[0], TIMEOUT, direct_reads=False)
     b = PGTransport[State](gloo_pair[1], TIMEOUT, state_dict=(lambda: own) if in_place else None)
     with ThreadPoolExecutor(max_workers=1) as executor:
         sent = executor.submit(a.send_checkpoint, [1], 4, state, TIMEOUT)

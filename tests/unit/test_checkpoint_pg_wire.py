@@ -38,6 +38,12 @@ class Loopback:
         return CompletedWork(None)
 
 
+def _gloo_route(loop: Loopback) -> PGTransport[dict[str, Any]]:
+    """A sender whose tensors travel as messages (a direct read needs a peer
+    that answers while the sender waits: another thread or process)."""
+    return PGTransport[dict[str, Any]](loop, TIMEOUT, direct_reads=False)
+
+
 def _state() -> dict[str, Any]:
     w = torch.randn(5, 4)
     return {"w": w, "w_t": w.t(), "empty": torch.empty(0), "meta": {"step": 3, "lr": 0.5}}
@@ -55,7 +61,7 @@ def test_every_message_travels_on_the_transport_device() -> None:
 def test_round_trip_in_place_only_into_matching_tensors() -> None:
     loop = Loopback()
     state = _state()
-    PGTransport[dict[str, Any]](loop, TIMEOUT).send_checkpoint([1], 3, state)
+    _gloo_route(loop).send_checkpoint([1], 3, state)
     mine: dict[str, Any] = {
         "w": torch.zeros(5, 4),  # matches: received in place
         "w_t": torch.zeros(4, 5),  # same shape, other strides: a fresh tensor
@@ -74,7 +80,7 @@ def test_receive_into_is_used_unless_the_transport_has_its_own_state_dict() -> N
     loop = Loopback()
     state = _state()
     for _ in range(2):
-        PGTransport[dict[str, Any]](loop, TIMEOUT).send_checkpoint([1], 3, state)
+        _gloo_route(loop).send_checkpoint([1], 3, state)
     set_by_manager = {"w": torch.zeros(5, 4)}
     own = {"w": torch.zeros(5, 4)}
     receiver = PGTransport[dict[str, Any]](loop, TIMEOUT)
@@ -100,7 +106,7 @@ def test_a_long_header_is_refused_before_it_is_received() -> None:
 def test_send_refuses_what_cannot_travel_before_sending_anything() -> None:
     loop = Loopback()
     with pytest.raises(TypeError, match=r"state_dict\['fn'\]"):
-        PGTransport[dict[str, Any]](loop, TIMEOUT).send_checkpoint([1], 3, {"fn": print})
+        _gloo_route(loop).send_checkpoint([1], 3, {"fn": print})
     assert loop.sent == []
 
 
@@ -134,7 +140,7 @@ def _send_one_message_per_tensor(loop: Loopback, step: int, state: Any) -> None:
 def test_small_tensors_travel_in_batches_and_arrive_exact(in_place: bool) -> None:
     loop = Loopback()
     state = _many_small()
-    PGTransport[dict[str, Any]](loop, TIMEOUT).send_checkpoint([1], 3, state)
+    _gloo_route(loop).send_checkpoint([1], 3, state)
     # prefix, header, the 300 small ones in one batch, the large one alone,
     # the five after it in one batch, trailer.
     assert [tag for tag, _ in loop.sent] == [1, 2, 16, 16 + 300, 16 + 301, 3]
@@ -175,8 +181,8 @@ def test_an_unknown_flag_is_refused_before_anything_else_is_received() -> None:
     loop = Loopback()
     _send_one_message_per_tensor(loop, 3, _many_small())
     head = bytes(loop.queues[1][0].numpy())
-    loop.queues[1][0] = torch.frombuffer(bytearray(_wire.with_flags(head, 2)), dtype=torch.uint8)
-    with pytest.raises(CheckpointError, match=r"flags 0x2.*same ftdist version"):
+    loop.queues[1][0] = torch.frombuffer(bytearray(_wire.with_flags(head, 4)), dtype=torch.uint8)
+    with pytest.raises(CheckpointError, match=r"flags 0x4.*same ftdist version"):
         PGTransport[dict[str, Any]](loop, TIMEOUT).recv_checkpoint(0, "<n/a>", 3)
     assert [tag for tag, _ in loop.received] == [1]
     # A stream reader (HTTP) knows no flag: a batched process-group prefix is refused there too.

@@ -31,6 +31,9 @@ The receiver reads only from the pid the kernel names as the socket's peer
 (``SO_PEERCRED``), and only when the source names the same pid: a source in
 another pid namespace, or a forked copy of the listener, is streamed from.
 
+:class:`~.pg_transport.PGTransport` copies the same way, its offer and
+answers being messages on the process group (see there).
+
 The source holds its state's read lock until it has the verdict, so the
 state cannot change under the copy. Each side sums what it holds (the
 source its memory, the receiver what it copied) and the trailer compares
@@ -47,14 +50,15 @@ import os
 import socket
 import struct
 import sys
+import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from ftdist.checkpointing._checksum import WordSum, digest_of
+from ftdist.checkpointing._checksum import SumBehind, WordSum, digest_of
 from ftdist.checkpointing._http_server import peer_credentials
-from ftdist.checkpointing._wire import PIECE_BYTES, StreamReader, host_view
+from ftdist.checkpointing._wire import PIECE_BYTES, host_view
 from ftdist.errors import CheckpointError
 
 logger = logging.getLogger("ftdist.checkpointing.http")
@@ -167,6 +171,22 @@ def read_memory_many(pid: int, spans: list[tuple[int, int, int]]) -> None:
         todo = rest + todo[count:]
 
 
+def host_identity() -> bytes | None:
+    """What two processes share when one may name the other by pid: the
+    kernel's boot id and the pid namespace (None where /proc cannot tell).
+
+    A process group, unlike the local socket, names no peer process: its
+    peers compare this before they take a pid from each other.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = uuid.UUID(f.read().strip()).bytes
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except (OSError, ValueError):
+        return None
+    return boot + _COUNT.pack(namespace)
+
+
 def manifest(flats: list[torch.Tensor]) -> bytes:
     """Where the source's carried tensors live: count, then (address, length) each."""
     entries = [_ENTRY.pack(f.data_ptr(), f.numel()) for f in flats]
@@ -243,6 +263,43 @@ def refused(exc: OSError) -> bool:
     return True
 
 
+class Tally(Protocol):
+    """What a direct copy reports its bytes to: the stream's reader, or a
+    process-group receiver's sums."""
+
+    what: str
+
+    def absorb(self, piece: memoryview) -> None:
+        """Sum and count bytes that were copied."""
+
+    def end_tensor(self) -> None:
+        """One tensor's bytes are all in."""
+
+
+class CopySums:
+    """A :class:`Tally` of its own, for a receiver that reads no stream (the
+    process-group transport): summed on a helper thread while the kernel
+    copies the next piece. Close :attr:`digest` when done.
+
+    Args:
+        what: the source, for messages.
+    """
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.digest = SumBehind(record=True)
+        self.total = 0
+
+    def absorb(self, piece: memoryview) -> None:
+        """Sum and count bytes that were copied."""
+        self.digest.update(piece)
+        self.total += len(piece)
+
+    def end_tensor(self) -> None:
+        """One tensor's bytes are all in."""
+        self.digest.end_segment()
+
+
 class DirectBody:
     """The receiver's side: copies each carried tensor out of the source's memory.
 
@@ -259,7 +316,7 @@ class DirectBody:
         self,
         pid: int,
         entries: list[tuple[int, int]],
-        reader: StreamReader,
+        reader: Tally,
         send: Callable[[bytes], None],
     ) -> None:
         self._pid = pid

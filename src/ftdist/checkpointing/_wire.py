@@ -89,6 +89,9 @@ MOST_BATCHED = 1024
 # The prefix's flags. A process-group stream whose tensors travel in
 # :func:`runs`, one message each (part of the wire: both ends compute them).
 FLAG_BATCHED = 1
+# A process-group sender on this host offers its memory to read directly: an
+# offer message follows the header (pg_transport.py, :mod:`._direct`).
+FLAG_DIRECT = 2
 
 
 def runs(sizes: Sequence[int]) -> list[int]:
