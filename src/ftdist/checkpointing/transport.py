@@ -29,7 +29,9 @@ class TransferStats:
             the source is on this host), ``"direct"`` (copied out of the
             source's memory on this host), ``"direct+tcp"`` or
             ``"local+tcp"`` (chunks over both),
-            ``"process group"``, or ``""`` where the transport does not say.
+            ``"process group"``, ``"direct+process group"`` (a send to
+            several ranks, some of which copied), or ``""`` where the
+            transport does not say.
         tensor_sums: (receive only) the word sums of each received tensor
             that is plain, contiguous and on the host, by (address, byte
             count), as checked against the sender's: a receiver fingerprints
