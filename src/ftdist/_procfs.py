@@ -20,7 +20,8 @@ __all__ = ["await_stopped", "start_time", "state", "thread_states"]
 def _fields(path: str) -> list[str]:
     # The command name (2nd field) may hold spaces and parentheses; what
     # follows its last ")" splits cleanly: state, ppid, ...
-    with open(path, encoding="ascii") as f:
+    # A thread may name itself anything (prctl): its bytes need not decode.
+    with open(path, encoding="ascii", errors="replace") as f:
         return f.read().rsplit(")", 1)[1].split()
 
 

@@ -796,8 +796,9 @@ def test_pg_transport_refuses_wrong_step() -> None:
 # -- torchft's PGTransportTimeoutTest: two Gloo groups in this process -------------------------
 
 
-@pytest.fixture
-def gloo_pair() -> Iterator[list[Any]]:
+@contextlib.contextmanager
+def _gloo_groups(size: int) -> Iterator[list[Any]]:
+    """The ranks of one Gloo group, all in this process."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch.distributed as dist
@@ -809,14 +810,22 @@ def gloo_pair() -> Iterator[list[Any]]:
     def init(rank: int) -> Any:
         # Short: a stalled op's thread lives until the group's timeout.
         pg = ProcessGroupGloo(timeout=timedelta(seconds=2))
-        pg.configure(f"127.0.0.1:{store.port}/pair", rank, 2)
+        pg.configure(f"127.0.0.1:{store.port}/group", rank, size)
         return pg
 
-    with ThreadPoolExecutor(max_workers=2) as executor:
-        pgs = list(executor.map(init, range(2)))
-    yield pgs
-    for pg in pgs:
-        pg.shutdown()
+    with ThreadPoolExecutor(max_workers=size) as executor:
+        pgs = list(executor.map(init, range(size)))
+    try:
+        yield pgs
+    finally:
+        for pg in pgs:
+            pg.shutdown()
+
+
+@pytest.fixture
+def gloo_pair() -> Iterator[list[Any]]:
+    with _gloo_groups(2) as pgs:
+        yield pgs
 
 
 @pytest.mark.timeout(30)
@@ -1117,6 +1126,44 @@ def test_pg_direct_read_refused_streams_and_failed_stops_both_ends_at_once(
             b.recv_checkpoint(0, "<n/a>", 3)
         with pytest.raises(CheckpointError, match="rank 1 failed to copy the checkpoint"):
             sent.result(timeout=20)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("fails", ["probe", "copy"])
+def test_pg_a_receiver_whose_copy_fails_leaves_the_others_served(
+    monkeypatch: pytest.MonkeyPatch, fails: str
+) -> None:
+    """Rank 1's read of the sender's memory fails (its one-byte probe, before
+    it answers the offer, or the copy after) and rank 2 is streamed to: rank
+    2 still gets the state, then the sender raises rank 1's failure. The
+    groups' 2 s timeout would end a wait in a CommunicationError instead."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ftdist.checkpointing import _direct
+
+    real = _direct.read_memory
+
+    def read_memory(pid: int, local: int, remote: int, nbytes: int) -> None:
+        if fails == "probe" or nbytes > 1:
+            raise OSError(errno.EFAULT, os.strerror(errno.EFAULT))
+        real(pid, local, remote, nbytes)
+
+    monkeypatch.setattr(_direct, "read_memory", read_memory)
+    state = _six_tensors()
+    with _gloo_groups(3) as pgs, ThreadPoolExecutor(max_workers=2) as executor:
+        sender = PGTransport[State](pgs[0], TIMEOUT)
+        failing = PGTransport[State](pgs[1], TIMEOUT)
+        streamed = PGTransport[State](pgs[2], TIMEOUT, direct_reads=False)
+        sent = executor.submit(sender.send_checkpoint, [1, 2], 3, state)
+        got = executor.submit(streamed.recv_checkpoint, 0, "<n/a>", 3)
+        with pytest.raises(CheckpointError, match="reading rank 0's memory failed"):
+            failing.recv_checkpoint(0, "<n/a>", 3)
+        _assert_same(state, got.result(timeout=20))
+        said = "answered b'X'" if fails == "probe" else "rank 1 failed to copy the checkpoint"
+        with pytest.raises(CheckpointError, match=re.escape(said)):
+            sent.result(timeout=20)
+        assert sender.last_transfer is not None
+        assert sender.last_transfer.route == "process group"
 
 
 @pytest.mark.timeout(60)

@@ -54,7 +54,7 @@ from ftdist.checkpointing._checksum import SumBehind, WordSum
 from ftdist.checkpointing._prefault import Prefaulter
 from ftdist.checkpointing._targets import in_place_targets, own_state
 from ftdist.checkpointing.transport import CheckpointTransport, TransferProgress, TransferStats
-from ftdist.errors import CheckpointError, CollectiveTimeoutError
+from ftdist.errors import CheckpointError, CollectiveTimeoutError, CommunicationError
 
 T = TypeVar("T")
 
@@ -176,7 +176,8 @@ class PGTransport(CheckpointTransport[T]):
                 message names it).
             ValueError: the state has too many leaves for one header.
             CheckpointError: a receiver's direct copy failed, or it answered
-                the offer with something else than yes or no.
+                the offer with something else than yes or no (raised once the
+                other ranks have been sent the state).
             CommunicationError: a send failed or timed out (a timeout aborts
                 the group: later transfers fail at once until it is reconfigured).
         """
@@ -196,6 +197,7 @@ class PGTransport(CheckpointTransport[T]):
         # needs them before the copy ends. Later peers reuse the trailer.
         trailer: torch.Tensor | None = None
         routes = set()
+        failed: list[CheckpointError] = []
         for dst in dst_ranks:
             what = f"send to rank {dst}"
             self._wait(self._pg.send([prefix], dst, _TAG_PREFIX), timeout, what)
@@ -204,20 +206,26 @@ class PGTransport(CheckpointTransport[T]):
                 self._wait(self._pg.send([offer], dst, _TAG_OFFER), timeout, what)
                 verdict = self._recv_bytes(1, dst, _TAG_BACK, timeout)
                 if verdict == _direct.GO:
-                    # The sums are taken while the peer copies: its progress
-                    # bytes find a receive posted, and Gloo's sends wait for one.
-                    pending = self._post_byte(dst)
+                    # Summed while the peer copies (its progress bytes do not
+                    # wait for this side's receives).
                     if trailer is None:
                         digest = _direct.source_digest(flats)
                         trailer = _on(self._device, _wire.trailer_bytes(total, digest))
-                    self._await_copied(dst, pending, timeout)
+                    try:
+                        self._await_copied(dst, timeout)
+                    except CheckpointError as exc:
+                        # That receiver gave up and waits for nothing more;
+                        # the other ranks still get the state.
+                        failed.append(exc)
+                        continue
                     self._wait(self._pg.send([trailer], dst, _TAG_TRAILER), timeout, what)
                     routes.add("direct")
                     continue
                 if verdict != _direct.STREAM:
-                    raise CheckpointError(
-                        f"rank {dst} answered {verdict!r} to a direct read's offer"
+                    failed.append(
+                        CheckpointError(f"rank {dst} answered {verdict!r} to a direct read's offer")
                     )
+                    continue
             summed = self._stream(dst, flats, runs, trailer is None, timeout)
             if trailer is None:
                 trailer = _on(self._device, _wire.trailer_bytes(total, summed))
@@ -226,6 +234,8 @@ class PGTransport(CheckpointTransport[T]):
         self.last_transfer = TransferStats(
             total * len(dst_ranks), time.perf_counter() - start, "+".join(sorted(routes))
         )
+        if failed:
+            raise failed[0]
 
     def _offer(self, flats: list[torch.Tensor]) -> torch.Tensor | None:
         """The offer of a direct read of ``flats``, or None where none can be made."""
@@ -234,13 +244,7 @@ class PGTransport(CheckpointTransport[T]):
             return None
         return _on(self._device, identity + _PID.pack(os.getpid()) + _direct.manifest(flats))
 
-    def _post_byte(self, src: int) -> tuple[Any, torch.Tensor]:
-        buf = torch.empty(1, dtype=torch.uint8, device=self._device)
-        return self._pg.recv([buf], src, _TAG_BACK), buf
-
-    def _await_copied(
-        self, dst: int, pending: tuple[Any, torch.Tensor], timeout: timedelta | None
-    ) -> None:
+    def _await_copied(self, dst: int, timeout: timedelta | None) -> None:
         """Wait for ``dst``'s progress bytes (each 64 MiB copied: a large state
         need not be copied within one timeout), then its end of the copy.
 
@@ -249,9 +253,7 @@ class PGTransport(CheckpointTransport[T]):
             CommunicationError: it went quiet past the timeout.
         """
         while True:
-            work, buf = pending
-            self._wait(work, timeout, f"direct read by rank {dst}")
-            byte = bytes(_wire.host_view(buf.cpu()))
+            byte = self._recv_bytes(1, dst, _TAG_BACK, timeout)
             if byte == _direct.COPIED:
                 return
             if byte != _direct.PROGRESS:
@@ -259,7 +261,6 @@ class PGTransport(CheckpointTransport[T]):
                     f"rank {dst} failed to copy the checkpoint from this process's memory "
                     f"(it sent {byte!r}); see its log"
                 )
-            pending = self._post_byte(dst)
 
     def _stream(
         self,
@@ -442,18 +443,16 @@ class PGTransport(CheckpointTransport[T]):
             cursor += n
             return offer[cursor - n : cursor]
 
-        lengths = [header.leaves[i].nbytes for i in header.carried]
-        entries = _direct.parse_manifest(read, lengths, what)
-
         answers = _Answers(self, src_rank, timeout)
         tally = _direct.CopySums(what)
-        body = _direct.DirectBody(pid, entries, tally, answers.send)
-        # Only a sender on this host, in this pid namespace, names a pid of ours to read.
-        here = self._direct and identity == _direct.host_identity()
         try:
-            go = body.start(here)
-        except CheckpointError:
-            answers.send(_FAILED)
+            lengths = [header.leaves[i].nbytes for i in header.carried]
+            entries = _direct.parse_manifest(read, lengths, what)
+            body = _direct.DirectBody(pid, entries, tally, answers.send)
+            # Only a sender on this host, in this pid namespace, names a pid of ours to read.
+            go = body.start(self._direct and identity == _direct.host_identity())
+        except BaseException as exc:
+            answers.give_up(exc)
             raise
         return _DirectCopy(body, tally, answers) if go else None
 
@@ -494,11 +493,8 @@ class PGTransport(CheckpointTransport[T]):
                         direct.body.fill(batch, advance)
                         batch = []
             direct.body.finish()
-        except CheckpointError:
-            # The sender waits for the copy's end: tell it, or it would wait
-            # out its timeout and abort the group.
-            with contextlib.suppress(Exception):
-                direct.answers.send(_FAILED)
+        except BaseException as exc:
+            direct.answers.give_up(exc)
             raise
         return tensors
 
@@ -534,6 +530,15 @@ class _Answers:
             transport._wait(sent, self._timeout, what)
         self._progress.clear()
         transport._wait(work, self._timeout, what)
+
+    def give_up(self, exc: BaseException) -> None:
+        """Tell the sender this receiver will not copy, because of ``exc``: it
+        waits for the copy's end, and would otherwise wait out its timeout and
+        abort the group. Not when the group itself failed."""
+        if isinstance(exc, CommunicationError) and not isinstance(exc, CheckpointError):
+            return
+        with contextlib.suppress(Exception):
+            self.send(_FAILED)
 
 
 class _DirectCopy(NamedTuple):
