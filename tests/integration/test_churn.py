@@ -76,12 +76,19 @@ def _flap(ctx: RankContext, kind: str, rounds: int) -> dict[str, dict[str, int]]
     return samples
 
 
+def _growth(
+    samples: dict[str, dict[str, int]],
+) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """The warm sample, the last one, and how much each resource grew between them."""
+    warm, end = samples["warm"], samples["end"]
+    return warm, end, {k: end[k] - warm[k] for k in warm}
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("kind", "rounds"), [("gloo", ROUNDS), ("baby-gloo", 120)])
 def test_flapping_membership_leaks_nothing(kind: str, rounds: int) -> None:
     for rank, samples in enumerate(run_ranks(_flap, 2, kind, rounds, timeout=280)):
-        warm, end = samples["warm"], samples["end"]
-        growth = {k: end[k] - warm[k] for k in warm}
+        warm, end, growth = _growth(samples)
         assert growth["fds"] <= 8, (rank, warm, end)
         assert growth["threads"] <= 8, (rank, warm, end)
         assert growth["children"] <= 1, (rank, warm, end)
@@ -125,8 +132,7 @@ def _manager_churn(ctx: RankContext, rounds: int) -> dict[str, dict[str, int]]:
 @pytest.mark.timeout(300)
 def test_a_manager_reconfigured_every_step_leaks_nothing() -> None:
     (samples,) = run_ranks(_manager_churn, 1, ROUNDS, timeout=280)
-    warm, end = samples["warm"], samples["end"]
-    growth = {k: end[k] - warm[k] for k in warm}
+    warm, end, growth = _growth(samples)
     assert growth["fds"] <= 8, (warm, end)
     assert growth["threads"] <= 8, (warm, end)
     assert growth["rss_mb"] <= 64, (warm, end)
@@ -186,8 +192,7 @@ def _manager_rebuilds(ctx: RankContext, rebuilds: int) -> dict[str, dict[str, in
 @pytest.mark.timeout(200)
 def test_rebuilding_the_manager_leaks_nothing() -> None:
     (samples,) = run_ranks(_manager_rebuilds, 1, 8, timeout=180)
-    warm, end = samples["warm"], samples["end"]
-    growth = {k: end[k] - warm[k] for k in warm}
+    warm, end, growth = _growth(samples)
     # Six rebuilds after the warm sample: a leak of one descriptor or thread
     # per rebuild shows as 6. The slack is for threads that come and go on
     # their own (the timeout timer and its watchdog linger a while after

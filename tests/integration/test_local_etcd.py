@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from ftdist._procfs import thread_states
 from ftdist.etcd import local
 from ftdist.etcd.local import LocalEtcdCluster, find_etcd_binary
 from tests.etcd_fixtures import NO_ETCD, etcd_cluster  # noqa: F401
@@ -78,11 +79,6 @@ def alive(pid: int) -> bool:
         return False
 
 
-def thread_state(pid: int, tid: str) -> str:
-    with open(f"/proc/{pid}/task/{tid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
-
-
 def test_three_members_start_healthy_and_replicate(etcd_cluster: LocalEtcdCluster) -> None:  # noqa: F811
     endpoints = etcd_cluster.endpoints
     assert len(endpoints) == 3 and len(set(endpoints)) == 3
@@ -126,8 +122,8 @@ def test_stopped_member_is_unhealthy_until_continued(etcd_cluster: LocalEtcdClus
     # probes right after kill() found one still running).
     pid = cluster.pids[2]
     assert pid is not None
-    states = {t: thread_state(pid, t) for t in os.listdir(f"/proc/{pid}/task")}
-    assert set(states.values()) == {"T"}, states
+    states = thread_states(pid)
+    assert states and set(states) == {"T"}, states
     with pytest.raises(TimeoutError, match="m2"):
         cluster.wait_healthy(timedelta(seconds=1.5), members=[2])
 

@@ -171,6 +171,10 @@ def read_memory_many(pid: int, spans: list[tuple[int, int, int]]) -> None:
         todo = rest + todo[count:]
 
 
+IDENTITY_BYTES = 16 + _COUNT.size
+"""The length of :func:`host_identity`'s answer."""
+
+
 def host_identity() -> bytes | None:
     """What two processes share when one may name the other by pid: the
     kernel's boot id and the pid namespace (None where /proc cannot tell).
@@ -191,6 +195,11 @@ def manifest(flats: list[torch.Tensor]) -> bytes:
     """Where the source's carried tensors live: count, then (address, length) each."""
     entries = [_ENTRY.pack(f.data_ptr(), f.numel()) for f in flats]
     return _COUNT.pack(len(entries)) + b"".join(entries)
+
+
+def manifest_bytes(count: int) -> int:
+    """The length of :func:`manifest`'s answer for ``count`` tensors."""
+    return _COUNT.size + count * _ENTRY.size
 
 
 def parse_manifest(

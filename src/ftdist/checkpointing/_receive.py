@@ -19,7 +19,7 @@ a system call, two hand-offs to the summing thread) cost more than the bytes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -144,16 +144,8 @@ def _read_leaves(
         # Only leaves that stay on the host are carved out of the reserve: a
         # dropped staging copy would keep the reserve's mapping resident.
         on_host = (lambda index: place(index).type == "cpu") if reserve is not None else None
-        lengths = iter(runs([leaves[i].nbytes for i in header.carried]))
-        batch: list[tuple[int, int, torch.Tensor]] = []
-        want = 0
-        for item in staged_leaves(header, own, cpu, prefault, reserve, on_host):
-            if not batch:
-                want = next(lengths)
-            batch.append(item)
-            if len(batch) == want:
-                receive(batch)
-                batch = []
+        for batch in staged_runs(header, own, cpu, prefault, reserve, on_host):
+            receive(batch)
     if source is not None:
         source.finish()
     reader.read_trailer()
@@ -196,6 +188,32 @@ def staged_leaves(
             staged[leaf_index] = t
             ahead += 1
         yield pos, index, staged.pop(index)
+
+
+def staged_runs(
+    header: Header,
+    own: Mapping[int, torch.Tensor],
+    device: torch.device,
+    prefault: Prefaulter,
+    reserve: ReceiveReserve | None = None,
+    on_host: Callable[[int], bool] | None = None,
+    lengths: Iterable[int] | None = None,
+) -> Iterator[list[tuple[int, int, torch.Tensor]]]:
+    """:func:`staged_leaves` grouped as they travel: one large tensor, or a
+    batch of small ones (:func:`~._wire.runs`; ``lengths`` gives other runs).
+    """
+    sizes = iter(
+        runs([header.leaves[i].nbytes for i in header.carried]) if lengths is None else lengths
+    )
+    batch: list[tuple[int, int, torch.Tensor]] = []
+    want = 0
+    for item in staged_leaves(header, own, device, prefault, reserve, on_host):
+        if not batch:
+            want = next(sizes)
+        batch.append(item)
+        if len(batch) == want:
+            yield batch
+            batch = []
 
 
 def leaf(meta: LeafMeta, t: torch.Tensor) -> Any:

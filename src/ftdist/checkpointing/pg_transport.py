@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import io
 import os
 import struct
 import time
@@ -60,10 +61,8 @@ T = TypeVar("T")
 
 _TAG_PREFIX, _TAG_HEADER, _TAG_TRAILER, _TAG_OFFER, _TAG_BACK, _TAG_TENSOR = 1, 2, 3, 4, 5, 16
 # An offer: the sender's host identity (_direct.host_identity), its pid, then
-# the manifest (count, then address and length per carried tensor).
-_IDENTITY_BYTES = 24
+# the manifest (_direct.manifest).
 _PID = struct.Struct("<Q")
-_MANIFEST_ENTRY_BYTES = 16
 # The receiver's answer when its direct copy failed: the sender stops waiting.
 _FAILED = b"X"
 # Receives posted ahead of the one being summed.
@@ -340,7 +339,7 @@ class PGTransport(CheckpointTransport[T]):
         try:
             if direct is not None:
                 route = "direct"
-                tensors = self._copy(direct, header, targets, tracker, src_rank, timeout)
+                tensors = self._copy(direct, header, targets, tracker)
                 digest, total = direct.tally.digest, direct.tally.total
                 summed = list(header.carried)
             else:
@@ -375,9 +374,8 @@ class PGTransport(CheckpointTransport[T]):
         what = f"rank {src_rank}"
         tensors: dict[int, torch.Tensor] = {}
         total = 0
-        sizes = [header.leaves[i].nbytes for i in header.carried]
         # A sender from before batches sent one tensor per message.
-        lengths = iter(_wire.runs(sizes) if flags & _wire.FLAG_BATCHED else [1] * len(sizes))
+        lengths = None if flags & _wire.FLAG_BATCHED else [1] * len(header.carried)
         # Receives stay posted ahead: the sums of one message are taken while
         # the next ones arrive, and Gloo's sender never waits for a post.
         pending: collections.deque[_Posted] = collections.deque()
@@ -399,19 +397,11 @@ class PGTransport(CheckpointTransport[T]):
                 if tracker is not None:
                     tracker.add(nbytes)
 
-            run: list[tuple[int, int, torch.Tensor]] = []
-            want = 0
-            for item in _receive.staged_leaves(
-                header, targets, self._device, prefault, self.receive_reserve
+            for run in _receive.staged_runs(
+                header, targets, self._device, prefault, self.receive_reserve, lengths=lengths
             ):
-                tensors[item[1]] = item[2]
-                if not run:
-                    want = next(lengths)
-                run.append(item)
-                if len(run) < want:
-                    continue
+                tensors.update((index, t) for _, index, t in run)
                 posted = _Posted(run, spare, self._device)
-                run = []
                 if not posted.nbytes:
                     continue
                 posted.work = self._pg.recv([posted.wire], src_rank, _TAG_TENSOR + posted.pos)
@@ -433,21 +423,15 @@ class PGTransport(CheckpointTransport[T]):
             CommunicationError: a receive or the answer failed.
         """
         what = f"rank {src_rank}"
-        size = _IDENTITY_BYTES + _PID.size + 8 + _MANIFEST_ENTRY_BYTES * len(header.carried)
-        offer = self._recv_bytes(size, src_rank, _TAG_OFFER, timeout)
-        identity, pid = offer[:_IDENTITY_BYTES], _PID.unpack_from(offer, _IDENTITY_BYTES)[0]
-        cursor = _IDENTITY_BYTES + _PID.size
-
-        def read(n: int) -> bytes:
-            nonlocal cursor
-            cursor += n
-            return offer[cursor - n : cursor]
-
+        size = _direct.IDENTITY_BYTES + _PID.size + _direct.manifest_bytes(len(header.carried))
+        offer = io.BytesIO(self._recv_bytes(size, src_rank, _TAG_OFFER, timeout))
+        identity = offer.read(_direct.IDENTITY_BYTES)
+        (pid,) = _PID.unpack(offer.read(_PID.size))
         answers = _Answers(self, src_rank, timeout)
         tally = _direct.CopySums(what)
         try:
             lengths = [header.leaves[i].nbytes for i in header.carried]
-            entries = _direct.parse_manifest(read, lengths, what)
+            entries = _direct.parse_manifest(offer.read, lengths, what)
             body = _direct.DirectBody(pid, entries, tally, answers.send)
             # Only a sender on this host, in this pid namespace, names a pid of ours to read.
             go = body.start(self._direct and identity == _direct.host_identity())
@@ -462,8 +446,6 @@ class PGTransport(CheckpointTransport[T]):
         header: _wire.Header,
         targets: dict[int, torch.Tensor],
         tracker: TransferProgress | None,
-        src_rank: int,
-        timeout: timedelta | None,
     ) -> dict[int, torch.Tensor]:
         """Copy every carried tensor out of the sender's memory: {leaf index: tensor}.
 
@@ -471,7 +453,6 @@ class PGTransport(CheckpointTransport[T]):
             CheckpointError: the kernel's copy failed (the sender is told).
         """
         tensors: dict[int, torch.Tensor] = {}
-        lengths = iter(_wire.runs([header.leaves[i].nbytes for i in header.carried]))
         try:
             with Prefaulter() as prefault:
 
@@ -480,18 +461,11 @@ class PGTransport(CheckpointTransport[T]):
                     if tracker is not None:
                         tracker.add(nbytes)
 
-                batch: list[tuple[int, torch.Tensor]] = []
-                want = 0
-                for pos, index, t in _receive.staged_leaves(
+                for run in _receive.staged_runs(
                     header, targets, self._device, prefault, self.receive_reserve
                 ):
-                    tensors[index] = t
-                    if not batch:
-                        want = next(lengths)
-                    batch.append((pos, _wire.flat_bytes(t)))
-                    if len(batch) == want:
-                        direct.body.fill(batch, advance)
-                        batch = []
+                    tensors.update((index, t) for _, index, t in run)
+                    direct.body.fill([(pos, _wire.flat_bytes(t)) for pos, _, t in run], advance)
             direct.body.finish()
         except BaseException as exc:
             direct.answers.give_up(exc)
